@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Control-plane latency and pipelined throughput: lmcache_mp vs LMCache's own client
+vs a bare pyzmq DEALER, against the same real server, in one run.
+
+Runs in the oracle venv (it imports LMCache's client for comparison; lmcache_mp itself
+never does):
+
+    scripts/lmcache-server.sh python -- benchmarks/control_plane.py [--url URL] [--rounds 7]
+
+Without --url it starts (and stops) its own server. Rounds alternate between the
+clients so machine noise hits all of them alike; medians over rounds are reported,
+and ratios are the headline (these machines are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+
+from lmcache_mp import CacheKey, Client  # noqa: E402
+
+NOOP, LOOKUP, WAIT = 24, 8, 10
+
+
+def lmcache_client(url: str):  # type: ignore[no-untyped-def]
+    from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
+    from lmcache.v1.multiprocess.mq import MessageQueueClient
+    from lmcache.v1.multiprocess.protocol import get_response_class
+    from lmcache.v1.multiprocess.protocols.base import RequestType
+
+    ctx = zmq.Context()
+    mq = MessageQueueClient(url, ctx)
+
+    def call(rt, payloads):  # type: ignore[no-untyped-def]
+        return mq.submit_request(rt, payloads, get_response_class(rt)).result(timeout=10)
+
+    def noop():  # type: ignore[no-untyped-def]
+        return call(RequestType.NOOP, [])
+
+    def noop_async():  # type: ignore[no-untyped-def]
+        return mq.submit_request(RequestType.NOOP, [], get_response_class(RequestType.NOOP))
+
+    def lookup(tokens, request_id):  # type: ignore[no-untyped-def]
+        key = IPCCacheServerKey("bench", 1, None, tuple(tokens), 0, len(tokens), request_id)
+        call(RequestType.LOOKUP, [key, 1])
+        return call(RequestType.WAIT_PREFETCH_STATUS, [request_id, 5.0])
+
+    def close():  # type: ignore[no-untyped-def]
+        mq.close()
+        ctx.term()
+
+    return noop, noop_async, lookup, close
+
+
+def bare_dealer(url: str):  # type: ignore[no-untyped-def]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    counter = iter(range(1 << 62))
+    noop_frame = msgspec.msgpack.encode(NOOP)
+
+    def noop():  # type: ignore[no-untyped-def]
+        sock.send_multipart([msgspec.msgpack.encode(next(counter)), noop_frame])
+        return sock.recv_multipart()
+
+    def close():  # type: ignore[no-untyped-def]
+        sock.close(0)
+        ctx.term()
+
+    return noop, close
+
+
+def per_call_us(fn: Callable[[], object], n: int) -> float:
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def pipelined_rps(submit: Callable[[], object], n: int) -> float:
+    start = time.perf_counter()
+    futures = [submit() for _ in range(n)]
+    for f in futures:
+        f.result()  # type: ignore[attr-defined]
+    return n / (time.perf_counter() - start)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--pipeline", type=int, default=2000)
+    ap.add_argument("--json", help="write results here too")
+    args = ap.parse_args()
+
+    port = None
+    url = args.url
+    if url is None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        subprocess.run([str(REPO / "scripts/lmcache-server.sh"), "start", "--port", str(port)],
+                       check=True, stdout=subprocess.DEVNULL)
+        url = f"tcp://127.0.0.1:{port}"
+    try:
+        ours = Client(url, timeout=10)
+        lm_noop, lm_noop_async, lm_lookup, lm_close = lmcache_client(url)
+        bare_noop, bare_close = bare_dealer(url)
+        tokens = list(range(4096))
+
+        def our_lookup() -> None:
+            rid = uuid.uuid4().hex
+            ours.lookup(CacheKey(model_name="bench", world_size=1, worker_id=None,
+                                 token_ids=tokens, start=0, end=len(tokens), request_id=rid))
+
+        def their_lookup() -> None:
+            lm_lookup(tokens, uuid.uuid4().hex)
+
+        # warm up (connections, JIT-free but caches)
+        for fn in (ours.noop, lm_noop, bare_noop, our_lookup, their_lookup):
+            for _ in range(50):
+                fn()
+
+        results: dict[str, list[float]] = {k: [] for k in (
+            "noop_us.bare", "noop_us.ours", "noop_us.lmcache",
+            "lookup4096_us.ours", "lookup4096_us.lmcache",
+            "pipelined_rps.ours", "pipelined_rps.lmcache")}
+        for _ in range(args.rounds):
+            results["noop_us.bare"].append(per_call_us(bare_noop, args.calls))
+            results["noop_us.ours"].append(per_call_us(ours.noop, args.calls))
+            results["noop_us.lmcache"].append(per_call_us(lm_noop, args.calls))
+            results["lookup4096_us.ours"].append(per_call_us(our_lookup, args.calls // 4))
+            results["lookup4096_us.lmcache"].append(per_call_us(their_lookup, args.calls // 4))
+            results["pipelined_rps.ours"].append(pipelined_rps(ours.noop_async, args.pipeline))
+            results["pipelined_rps.lmcache"].append(pipelined_rps(lm_noop_async, args.pipeline))
+        med = {k: statistics.median(v) for k, v in results.items()}
+        ratios = {
+            "noop ours/bare (latency, lower is better)": med["noop_us.ours"] / med["noop_us.bare"],
+            "noop ours/lmcache (latency)": med["noop_us.ours"] / med["noop_us.lmcache"],
+            "lookup4096 ours/lmcache (latency)": med["lookup4096_us.ours"] / med["lookup4096_us.lmcache"],
+            "pipelined ours/lmcache (throughput, higher is better)":
+                med["pipelined_rps.ours"] / med["pipelined_rps.lmcache"],
+        }
+        print(f"server {url}, {args.rounds} alternating rounds, medians "
+              f"(cpu count {os.cpu_count()}):")
+        for k, v in med.items():
+            print(f"  {k:<24} {v:>12,.1f}")
+        print("ratios:")
+        for k, v in ratios.items():
+            print(f"  {k:<55} {v:.2f}x")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"medians": med, "ratios": ratios,
+                                                   "rounds": results}, indent=1))
+        ours.close()
+        lm_close()
+        bare_close()
+    finally:
+        if port is not None:
+            subprocess.run([str(REPO / "scripts/lmcache-server.sh"), "stop", "--port", str(port)],
+                           check=False, stdout=subprocess.DEVNULL)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""``lmcache-mp``: ping a server, show what it answers, or show the keys it derives.
+
+    lmcache-mp ping URL            is the server answering?
+    lmcache-mp info URL            chunk size, protocol, round-trip time, features
+    lmcache-mp keys --model M ...  the chunk hashes / storage keys a prompt maps to
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+from .client import Client
+from .errors import LMCacheMPError
+from .hashing import DEFAULT_CHUNK_SIZE, object_keys
+from .keys import CacheKey
+
+__all__ = ["main"]
+
+
+def _cmd_ping(args: argparse.Namespace) -> int:
+    with Client(args.url, timeout=args.timeout) as client:
+        start = time.perf_counter()
+        client.ping()  # includes connecting
+        first = time.perf_counter()
+        client.ping()
+        done = time.perf_counter()
+    print(f"{args.url}: PING answered (connect + first PING {(first - start) * 1e3:.2f} ms, "
+          f"round trip {(done - first) * 1e3:.2f} ms)")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    with Client(args.url, timeout=args.timeout) as client:
+        noop = client.noop()
+        chunk = client.chunk_size()
+        features = client.get_experimental()
+        samples = []
+        for _ in range(args.samples):
+            start = time.perf_counter()
+            client.noop()
+            samples.append((time.perf_counter() - start) * 1e6)
+        samples.sort()
+        rows = [
+            ("server", args.url),
+            ("protocol", f"{client.server_protocol} (LMCache {', '.join(client.profile.releases)})"),
+            ("NOOP", repr(noop)),
+            ("chunk size", f"{chunk} tokens"),
+            ("experimental", ", ".join(features) or "(none)"),
+            ("round trip", f"median {statistics.median(samples):.0f} us, "
+                           f"p99 {samples[int(len(samples) * 0.99) - 1]:.0f} us "
+                           f"({len(samples)} NOOPs)"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _read_tokens(args: argparse.Namespace) -> list[int]:
+    if args.tokens is not None:
+        return [int(t) for t in args.tokens.replace(",", " ").split()]
+    if args.tokens_file is not None:
+        text = open(args.tokens_file).read()
+        stripped = text.strip()
+        if stripped.startswith("["):
+            return [int(t) for t in json.loads(stripped)]
+        return [int(t) for t in stripped.replace(",", " ").split()]
+    rng = random.Random(args.seed)
+    return [rng.randrange(0, 32000) for _ in range(args.random)]
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    tokens = _read_tokens(args)
+    chunk = args.chunk_size
+    if args.url:
+        with Client(args.url, timeout=args.timeout) as client:
+            chunk = client.chunk_size()
+    # Validate exactly as a request would be (salt, model name, token range).
+    key = CacheKey(model_name=args.model, world_size=args.world_size, worker_id=args.worker_id,
+                   token_ids=tokens, start=0, end=len(tokens), request_id="keys",
+                   cache_salt=args.salt)
+    keys = object_keys(key.token_ids, model_name=key.model_name, world_size=key.world_size,
+                       worker_id=key.worker_id, cache_salt=key.cache_salt, chunk_size=chunk)
+    print(f"model={key.model_name!r} world_size={key.world_size} salt={key.cache_salt!r} "
+          f"chunk_size={chunk} tokens={len(tokens)} complete_chunks={len(tokens) // chunk}")
+    if len(tokens) % chunk:
+        print(f"(the last {len(tokens) % chunk} tokens form a partial chunk: never stored "
+              f"or looked up)")
+    print(f"{'chunk':>5}  {'tokens':>13}  {'rank':>4}  {'kv_rank':>10}  chunk_hash (blake3)")
+    for k in keys:
+        lo = k.chunk_index * chunk
+        print(f"{k.chunk_index:>5}  {lo:>6}-{lo + chunk:<6}  {k.rank:>4}  {k.kv_rank:>#10x}  "
+              f"{k.chunk_hash.hex()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lmcache-mp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("ping", help="is the server answering?")
+    p.add_argument("url")
+    p.add_argument("--timeout", type=float, default=2.0)
+    p.set_defaults(func=_cmd_ping)
+
+    p = sub.add_parser("info", help="chunk size, protocol, round-trip time")
+    p.add_argument("url")
+    p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument("--samples", type=int, default=200)
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("keys", help="the chunk hashes and storage keys a prompt maps to")
+    p.add_argument("--model", required=True)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--worker-id", type=int, default=None,
+                   help="one KV rank (default: all ranks, as LOOKUP does)")
+    p.add_argument("--salt", default="")
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    p.add_argument("--url", help="ask this server for its chunk size")
+    p.add_argument("--timeout", type=float, default=2.0)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="token ids, comma or space separated")
+    src.add_argument("--tokens-file", help="a JSON list or whitespace-separated token ids")
+    src.add_argument("--random", type=int, help="this many random token ids")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_keys)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except LMCacheMPError as exc:
+        print(f"lmcache-mp {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

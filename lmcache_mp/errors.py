@@ -1,0 +1,46 @@
+"""The error hierarchy of lmcache_mp.
+
+Every error the client raises derives from :class:`LMCacheMPError`, and each message
+says what went wrong and what to do about it. The LMCache MP server never replies to a
+request it could not handle, so a :class:`RequestTimeout` usually means the server
+rejected the request (its log says why), not that it was slow.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LMCacheMPError",
+    "RequestTimeout",
+    "ServerUnavailable",
+    "ClientClosed",
+    "ProtocolMismatch",
+    "InvalidArgument",
+]
+
+
+class LMCacheMPError(Exception):
+    """Base class of every error raised by lmcache_mp."""
+
+
+class RequestTimeout(LMCacheMPError, TimeoutError):
+    """A request was sent but no reply arrived before its deadline."""
+
+
+class ServerUnavailable(LMCacheMPError, ConnectionError):
+    """The server could not be reached, or the connection was lost mid-request."""
+
+
+class ClientClosed(ServerUnavailable):
+    """The client was closed; requests still pending were failed with this error."""
+
+
+class ProtocolMismatch(LMCacheMPError):
+    """The server speaks a protocol this client (or the chosen profile) does not."""
+
+
+class InvalidArgument(LMCacheMPError, ValueError):
+    """An argument was rejected locally, before anything was sent.
+
+    The server drops requests it cannot decode without replying (and a malformed
+    request-type frame kills its message thread), so the client validates first.
+    """

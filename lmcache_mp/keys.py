@@ -1,0 +1,184 @@
+"""The public cache key, validated the way the LMCache server would (and stricter).
+
+A :class:`CacheKey` names a token sequence and a token range of it for one model and
+world size. The server hashes ``token_ids`` itself (see :mod:`lmcache_mp.hashing`);
+``request_id`` is the session key and is excluded from equality, as in LMCache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from .errors import InvalidArgument
+from .protocol.types import U32
+
+__all__ = ["CacheKey", "SALT_MAX_LEN", "SALT_FORBIDDEN_CHARS"]
+
+SALT_MAX_LEN = 128
+# LMCache's L2 adapters use '@' as a separator, '/' and '\\' reach file names, NUL ends C strings.
+SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
+# kv_rank packs world size and rank into 8 bits each (ObjectKey.ComputeKVRank).
+MAX_WORLD_SIZE = 255
+_TOKENS = tuple[U32, ...]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_tuple(token_ids: Any) -> tuple[int, ...]:
+    if hasattr(token_ids, "dtype") and hasattr(token_ids, "tolist"):  # numpy-like
+        if getattr(token_ids, "ndim", 1) != 1:
+            raise InvalidArgument("token_ids must be one-dimensional")
+        if token_ids.dtype.kind not in "iu":
+            raise InvalidArgument(f"token_ids must hold integers, got dtype {token_ids.dtype}")
+        if len(token_ids) and (int(token_ids.min()) < 0 or int(token_ids.max()) > 2**32 - 1):
+            raise InvalidArgument("token ids must fit in uint32 (0 <= id < 2**32)")
+        return tuple(token_ids.tolist())
+    if not isinstance(token_ids, (list, tuple)):
+        raise InvalidArgument(
+            f"token_ids must be a list, tuple or 1-D integer numpy array, "
+            f"got {type(token_ids).__name__}"
+        )
+    try:
+        return msgspec.convert(token_ids, _TOKENS, strict=True)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgument(
+            f"token ids must be ints that fit in uint32 (0 <= id < 2**32): {exc}"
+        ) from None
+
+
+class CacheKey:
+    """A token range of a prompt, for one model and KV world size.
+
+    Args:
+        model_name: the model; part of the cache identity; must not contain ``@``.
+        world_size: KV world size (number of KV shards per chunk), 1..255.
+        worker_id: this worker's KV rank for STORE / RETRIEVE, or None. LOOKUP and
+            FREE_LOOKUP_LOCKS always send None (all ranks) whatever is set here.
+        token_ids: the whole token sequence from token 0 (list, tuple or 1-D integer
+            numpy array), each id in ``[0, 2**32)``.
+        start, end: the token range ``[start, end)`` an operation covers;
+            STORE / RETRIEVE need chunk-aligned values (checked when sent).
+        request_id: session key on the server; not part of the cache identity.
+        cache_salt: per-user isolation salt (<= 128 chars, none of ``@ / \\`` NUL).
+    """
+
+    __slots__ = (
+        "model_name",
+        "world_size",
+        "worker_id",
+        "token_ids",
+        "start",
+        "end",
+        "request_id",
+        "cache_salt",
+    )
+
+    model_name: str
+    world_size: int
+    worker_id: int | None
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
+    request_id: str
+    cache_salt: str
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        world_size: int,
+        worker_id: int | None,
+        token_ids: Sequence[int] | Any,
+        start: int,
+        end: int,
+        request_id: str,
+        cache_salt: str = "",
+    ) -> None:
+        if not isinstance(model_name, str) or not model_name:
+            raise InvalidArgument("model_name must be a non-empty str")
+        if "@" in model_name:
+            raise InvalidArgument(f"model_name must not contain '@' (got {model_name!r})")
+        if not _is_int(world_size) or not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise InvalidArgument(f"world_size must be an int in 1..{MAX_WORLD_SIZE}")
+        if worker_id is not None and (not _is_int(worker_id) or not 0 <= worker_id < world_size):
+            raise InvalidArgument(
+                f"worker_id must be None or an int in [0, world_size={world_size}), "
+                f"got {worker_id!r}"
+            )
+        tokens = _token_tuple(token_ids)
+        if not _is_int(start) or not _is_int(end):
+            raise InvalidArgument("start and end must be ints")
+        if not 0 <= start <= end <= len(tokens):
+            raise InvalidArgument(
+                f"need 0 <= start <= end <= len(token_ids); got start={start}, end={end}, "
+                f"len(token_ids)={len(tokens)} (the server would hash a partial chunk "
+                f"that no lookup can ever hit)"
+            )
+        if not isinstance(request_id, str):
+            raise InvalidArgument("request_id must be a str")
+        if not isinstance(cache_salt, str):
+            raise InvalidArgument("cache_salt must be a str")
+        bad = SALT_FORBIDDEN_CHARS.intersection(cache_salt)
+        if bad:
+            raise InvalidArgument(
+                f"cache_salt must not contain {''.join(sorted(bad))!r} "
+                f"(LMCache forbids '@', '/', '\\\\' and NUL)"
+            )
+        if len(cache_salt) > SALT_MAX_LEN:
+            raise InvalidArgument(
+                f"cache_salt is {len(cache_salt)} chars; LMCache allows at most {SALT_MAX_LEN}"
+            )
+        setter = object.__setattr__
+        setter(self, "model_name", model_name)
+        setter(self, "world_size", world_size)
+        setter(self, "worker_id", worker_id)
+        setter(self, "token_ids", tokens)
+        setter(self, "start", start)
+        setter(self, "end", end)
+        setter(self, "request_id", request_id)
+        setter(self, "cache_salt", cache_salt)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("CacheKey is immutable; use replace()")
+
+    def replace(self, **changes: Any) -> CacheKey:
+        """A copy with some fields changed (validated again)."""
+        fields = {name: getattr(self, name) for name in self.__slots__}
+        fields.update(changes)
+        return CacheKey(**fields)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    def _identity(self) -> tuple[Any, ...]:
+        # request_id is a session handle, not part of what is cached (as in LMCache).
+        return (
+            self.model_name,
+            self.world_size,
+            self.worker_id,
+            self.token_ids,
+            self.start,
+            self.end,
+            self.cache_salt,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CacheKey) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    def __repr__(self) -> str:
+        n = len(self.token_ids)
+        head = ", ".join(map(str, self.token_ids[:4])) + (", ..." if n > 4 else "")
+        return (
+            f"CacheKey(model_name={self.model_name!r}, world_size={self.world_size}, "
+            f"worker_id={self.worker_id}, token_ids=[{head}] ({n}), start={self.start}, "
+            f"end={self.end}, request_id={self.request_id!r}, cache_salt={self.cache_salt!r})"
+        )

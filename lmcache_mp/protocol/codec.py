@@ -1,0 +1,80 @@
+"""Pure frame encoding and decoding: operation + payloads <-> multipart frames.
+
+No sockets here. A request on the wire is ``[uid, type, *payloads]``; the transport
+owns the uid, this module produces ``[type, *payloads]`` and reads a reply's
+``[type, (value)]``. Every payload is validated against the operation's schema before
+encoding, because the server silently drops what it cannot decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from ..errors import InvalidArgument, ProtocolMismatch
+from .operations import Operation
+from .types import WrapperBlob
+
+__all__ = ["encode_request", "decode_reply", "encode_value"]
+
+# The ext code LMCache's decoder maps to its wrapper deserialiser (custom_types.py).
+WRAPPER_EXT_CODE = 1
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, WrapperBlob):
+        return msgspec.msgpack.Ext(WRAPPER_EXT_CODE, obj.data)
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+encode_value = _ENCODER.encode
+
+
+def encode_request(op: Operation, payloads: Sequence[Any]) -> list[bytes]:
+    """Frames ``[type, *payloads]`` for ``op``; raises InvalidArgument before sending."""
+    specs = op.payloads
+    if len(payloads) != len(specs):
+        names = ", ".join(p.name for p in specs) or "no payload"
+        raise InvalidArgument(
+            f"{op.name} takes {len(specs)} payload(s) ({names}), got {len(payloads)}"
+        )
+    frames = [op.type_frame]
+    for spec, value in zip(specs, payloads, strict=True):
+        try:
+            checked = spec.validate(value)
+        except (msgspec.ValidationError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"{op.name}: invalid {spec.name}: {exc}") from None
+        frames.append(_ENCODER.encode(checked))
+    return frames
+
+
+def decode_reply(op: Operation, frames: Sequence[bytes]) -> Any:
+    """The typed value of a reply ``[type, (value)]`` to ``op``; 2-frame replies are None."""
+    if not frames or frames[0] != op.type_frame:
+        seen = frames[0].hex() if frames else "nothing"
+        raise ProtocolMismatch(
+            f"reply to {op.name} echoed request type {seen}, expected "
+            f"{op.type_frame.hex()}: the server speaks another protocol; check its version"
+        )
+    if len(frames) == 1:
+        if op.reply is None or op.reply_optional:
+            return None
+        raise ProtocolMismatch(
+            f"{op.name} was acknowledged without a value, but a {op.reply!r} was expected: "
+            f"the server speaks another protocol than profile for this client; check its version"
+        )
+    if len(frames) > 2 or op.reply_decoder is None:
+        raise ProtocolMismatch(
+            f"{op.name}: unexpected reply with {len(frames) + 1} frames; "
+            f"the server speaks another protocol; check its version"
+        )
+    try:
+        return op.reply_decoder.decode(frames[1])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolMismatch(
+            f"{op.name}: cannot read the server's reply {frames[1][:64].hex()} as "
+            f"{op.reply!r} ({exc}); the server speaks another protocol; check its version"
+        ) from None

@@ -1,0 +1,425 @@
+"""The ZMQ transport: one DEALER socket, replies matched by uid, a deadline on everything.
+
+It knows nothing of operations: it sends ``[uid, *frames]`` and hands back the reply
+frames after the uid. Design, for latency and for never hanging:
+
+* No I/O thread. The thread that waits for a reply drives the socket itself (the
+  "leader"); other waiting threads sleep on their own event and are woken when their
+  reply is dispatched or when leadership is handed to them. A lone blocking call is
+  therefore a send, a ``select`` on the socket's fd and a receive in the caller's own
+  thread, as with a bare DEALER.
+* Every socket touch happens under one lock. ZMQ's fd is edge-triggered, so whoever
+  touches the socket drains what is readable before letting go.
+* ``ZMQ_IMMEDIATE``: nothing is queued toward a server that is not connected, so a
+  request to an absent server fails as *unavailable* at its deadline instead of being
+  delivered, stale, when a server appears. A socket monitor tells connection loss, so
+  requests in flight fail at once when the server dies.
+* ``LINGER=0`` and a private context: ``close()`` returns at once and leaves no thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import select
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .errors import (
+    ClientClosed,
+    InvalidArgument,
+    LMCacheMPError,
+    RequestTimeout,
+    ServerUnavailable,
+)
+
+__all__ = ["Transport", "PendingRequest"]
+
+_MONITOR_EVENTS = (
+    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
+)
+# A follower re-checks for a free leader slot at least this often, as a safety net
+# under the explicit leadership hand-off.
+_FOLLOWER_SLICE_S = 0.05
+# Plain ints: pyzmq's IntFlag constants cost an enum operation on every use.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_OUTBOX_RETRY_MS = 2
+
+
+class PendingRequest:
+    """One request in flight. Completed with the reply frames (after the uid) or an error."""
+
+    __slots__ = ("uid", "label", "deadline", "timeout", "frames", "error", "done", "sent", "event",
+                 "out")
+
+    def __init__(self, uid: bytes, label: str, timeout: float, out: list[bytes]) -> None:
+        self.uid = uid
+        self.label = label
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.frames: list[bytes] | None = None
+        self.error: LMCacheMPError | None = None
+        self.done = False
+        self.sent = False
+        # Created only when a follower thread sleeps on this request: a lone blocking
+        # call never needs one. Order matters: completion sets ``done`` before reading
+        # ``event``, a follower sets ``event`` before re-checking ``done``.
+        self.event: threading.Event | None = None
+        self.out: list[bytes] | None = out
+
+    def complete(self, frames: list[bytes]) -> None:
+        self.frames = frames
+        self.done = True
+        event = self.event
+        if event is not None:
+            event.set()
+
+    def fail(self, error: LMCacheMPError) -> None:
+        if not self.done:
+            self.error = error
+            self.done = True
+            event = self.event
+            if event is not None:
+                event.set()
+
+
+class _Resources:
+    """What must be released exactly once, by close() or by the finaliser at exit."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes],
+                 monitor: zmq.Socket[bytes], wake_r: int, wake_w: int) -> None:
+        self.ctx, self.sock, self.monitor = ctx, sock, monitor
+        self.wake_r, self.wake_w = wake_r, wake_w
+
+    def release(self) -> None:
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+        self.ctx.term()
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+
+
+class Transport:
+    """A DEALER connected to ``url``; thread-safe; see the module docstring."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        try:
+            sock.connect(url)
+        except zmq.ZMQError as exc:
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            ctx.term()
+            raise InvalidArgument(
+                f"cannot connect to {url!r}: {exc}; expected e.g. tcp://127.0.0.1:5555"
+            ) from None
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        self._res = _Resources(ctx, sock, monitor, wake_r, wake_w)
+        self._finalizer = weakref.finalize(self, self._res.release)
+        self._sock = sock
+        self._monitor = monitor
+        self._poller = select.poll()
+        self._monitor_fd = int(monitor.getsockopt(zmq.FD))
+        for fd in (int(sock.getsockopt(zmq.FD)), self._monitor_fd, wake_r):
+            self._poller.register(fd, select.POLLIN)
+
+        self._lock = threading.Lock()  # guards the sockets and the tables below
+        self._leader = threading.Lock()  # held by the thread driving the socket
+        self._pending: dict[bytes, PendingRequest] = {}
+        self._outbox: deque[PendingRequest] = deque()
+        self._followers: set[PendingRequest] = set()
+        self._followers_lock = threading.Lock()
+        self._uids = itertools.count()
+        self._closed = False
+        self.connected = False
+        self._ever_connected = False
+        self._refused = 0
+
+    # ------------------------------------------------------------------ sending
+    def submit(self, frames: Sequence[bytes], timeout: float, label: str) -> PendingRequest:
+        """Send ``[uid, *frames]``; the reply (or error) completes the returned request."""
+        uid = msgspec.msgpack.encode(next(self._uids))
+        out = [uid, *frames]
+        p = PendingRequest(uid, label, timeout, out)
+        with self._lock:
+            if self._closed:
+                raise ClientClosed(f"the client for {self.url} is closed; create a new Client")
+            self._pending[uid] = p
+            # Keep order behind requests still waiting for a connection; a request
+            # that cannot be sent now (not connected, IMMEDIATE) waits in the outbox
+            # until the server is reachable or its deadline passes.
+            if self._outbox or not self._send_locked(out):
+                self._outbox.append(p)
+            else:
+                p.out = None
+                p.sent = True
+            if self._leader.locked():
+                # Another thread is blocked on the socket's edge-triggered fd; our send
+                # may have consumed its wake-up, so drain what is readable and wake it.
+                if self._drain_inbound_locked():
+                    self._wake_leader()
+        return p
+
+    def _send_locked(self, frames: list[bytes]) -> bool:
+        send = self._sock.send
+        try:
+            send(frames[0], _SNDMORE_NOBLOCK)
+        except zmq.Again:
+            return False
+        # Once the first part is accepted, ZMQ takes the whole message atomically.
+        last = len(frames) - 1
+        for i in range(1, last):
+            send(frames[i], _SNDMORE_NOBLOCK)
+        send(frames[last], _NOBLOCK)
+        return True
+
+    # ----------------------------------------------------------------- receiving
+    def _service_locked(self) -> int:
+        """Process connection events, flush the outbox, dispatch every readable reply."""
+        self._drain_monitor_locked()
+        outbox = self._outbox
+        while outbox:
+            p = outbox[0]
+            if p.done:  # expired while waiting for a connection
+                outbox.popleft()
+                continue
+            assert p.out is not None
+            if not self._send_locked(p.out):
+                break
+            outbox.popleft()
+            p.out = None
+            p.sent = True
+        return self._drain_inbound_locked()
+
+    def _drain_monitor_locked(self) -> None:
+        monitor = self._monitor
+        while int(monitor.get(_EVENTS)) & _POLLIN:
+            self._on_monitor_event(monitor.recv_multipart(_NOBLOCK))
+
+    def _drain_inbound_locked(self) -> int:
+        n = 0
+        sock = self._sock
+        pending = self._pending
+        while int(sock.get(_EVENTS)) & _POLLIN:
+            msg = sock.recv_multipart(_NOBLOCK)
+            req = pending.pop(msg[0], None)
+            if req is not None:  # else: a late reply to a request that timed out
+                req.complete(msg[1:])
+                n += 1
+        return n
+
+    def _on_monitor_event(self, msg: list[bytes]) -> None:
+        event = parse_monitor_message(msg)["event"]
+        if event == zmq.EVENT_CONNECTED:
+            self.connected = True
+            self._ever_connected = True
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            self._refused += 1
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.connected = False
+            # Replies to requests sent on the lost connection can never arrive: the
+            # server's ROUTER sees a new peer after a reconnect.
+            lost = [p for p in self._pending.values() if p.sent]
+            for p in lost:
+                del self._pending[p.uid]
+                p.fail(ServerUnavailable(
+                    f"lost the connection to the LMCache server at {self.url} while waiting "
+                    f"for the reply to {p.label}; the server exited or restarted, and the "
+                    f"request may or may not have been executed. Check the server, then retry."
+                ))
+
+    def _wake_leader(self) -> None:
+        try:
+            os.write(self._res.wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    # ------------------------------------------------------------------- waiting
+    def wait(self, p: PendingRequest) -> list[bytes]:
+        """Block until ``p`` completes or its deadline passes; return the reply frames."""
+        if not p.done:
+            self._await(p)
+        if p.error is not None:
+            raise p.error
+        assert p.frames is not None
+        return p.frames
+
+    def poll(self, p: PendingRequest) -> bool:
+        """Whether ``p`` is complete, servicing the socket once without blocking."""
+        if not p.done and self._leader.acquire(blocking=False):
+            try:
+                with self._lock:
+                    if not self._closed:
+                        self._service_locked()
+            finally:
+                self._leader.release()
+                self._hand_off()
+        if not p.done and time.monotonic() >= p.deadline:
+            self._expire(p)
+        return p.done
+
+    def _await(self, p: PendingRequest) -> None:
+        leader = self._leader
+        following = False
+        try:
+            while not p.done:
+                if leader.acquire(blocking=False):
+                    try:
+                        self._lead(p)
+                    finally:
+                        leader.release()
+                        self._hand_off()
+                    if not p.done:
+                        self._expire(p)
+                    return
+                if not following:
+                    # Register before sleeping, then retry the leader slot once, so a
+                    # leader that leaves in between cannot miss us in its hand-off.
+                    if p.event is None:
+                        p.event = threading.Event()
+                    with self._followers_lock:
+                        self._followers.add(p)
+                    following = True
+                    continue
+                remaining = p.deadline - time.monotonic()
+                if remaining <= 0:
+                    self._expire(p)
+                    return
+                event = p.event
+                assert event is not None
+                event.wait(min(remaining, _FOLLOWER_SLICE_S))
+                if not p.done:
+                    event.clear()
+        finally:
+            if following:
+                with self._followers_lock:
+                    self._followers.discard(p)
+                if not leader.locked():
+                    self._hand_off()
+
+    def _hand_off(self) -> None:
+        with self._followers_lock:
+            for q in self._followers:
+                if not q.done and q.event is not None:
+                    q.event.set()
+                    return
+
+    def _lead(self, p: PendingRequest) -> None:
+        poller = self._poller
+        wake_r = self._res.wake_r
+        monitor_fd = self._monitor_fd
+        check_monitor = True  # once on entry, then only when its fd fires
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                if check_monitor:
+                    self._drain_monitor_locked()
+                if self._outbox:
+                    self._service_locked()
+                else:
+                    self._drain_inbound_locked()
+            if p.done:
+                return
+            remaining = p.deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            wait_ms = max(1, int(remaining * 1000 + 0.999))
+            if self._outbox:
+                # ZMQ's fd does not reliably signal when a new connection's pipe becomes
+                # writable, so retry queued sends on a short period until it does.
+                wait_ms = min(wait_ms, _OUTBOX_RETRY_MS)
+            check_monitor = False
+            for fd, _ in poller.poll(wait_ms):
+                if fd == monitor_fd:
+                    check_monitor = True
+                elif fd == wake_r:
+                    try:
+                        os.read(wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+
+    def _expire(self, p: PendingRequest) -> None:
+        with self._lock:
+            if p.done:
+                return
+            self._pending.pop(p.uid, None)
+            if p.sent:
+                err: LMCacheMPError = RequestTimeout(
+                    f"no reply to {p.label} from the LMCache server at {self.url} within "
+                    f"{p.timeout:g} s. The server sends no reply when it rejects a request "
+                    f"(its log says why); if it no longer answers anything (try "
+                    f"`lmcache-mp ping {self.url}`), its message thread has died: restart it. "
+                    f"Raise the timeout only if the server is merely slow."
+                )
+            else:
+                try:
+                    self._outbox.remove(p)
+                except ValueError:
+                    pass
+                err = ServerUnavailable(self._unreachable_reason(p))
+            p.fail(err)
+
+    def _unreachable_reason(self, p: PendingRequest) -> str:
+        if self._ever_connected:
+            what = "the connection was lost and has not come back"
+        elif self._refused:
+            what = "nothing accepted the connection (refused)"
+        else:
+            what = "no connection could be made"
+        return (
+            f"could not send {p.label} to an LMCache server at {self.url} within "
+            f"{p.timeout:g} s: {what}. Start the server (python -m "
+            f"lmcache.v1.multiprocess.server --host ... --port ...) or check the URL."
+        )
+
+    # ------------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Fail every pending request with ClientClosed and release the socket."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            victims = list(self._pending.values())
+            self._pending.clear()
+            self._outbox.clear()
+        err = ClientClosed(f"the client for {self.url} was closed before the reply arrived")
+        for p in victims:
+            p.fail(err)
+        self._wake_leader()
+        # Wait for a leader to leave poll() before its fds are closed.
+        with self._leader:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)

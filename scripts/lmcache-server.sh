@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# The oracle: a real LMCache MP server in its own virtualenv, started and stopped
+# exactly (by pid file), for tests, demos, fixture generation and benchmarks.
+#
+#   scripts/lmcache-server.sh install [--version V]
+#   scripts/lmcache-server.sh start   [--version V] [--port P] [-- extra server args]
+#   scripts/lmcache-server.sh stop    [--port P]
+#   scripts/lmcache-server.sh python  [--version V] -- args...   (run the oracle python)
+#
+# Environment: LMCACHE_MP_ORACLE_DIR (default: <repo>/.oracle) holds venv-<version>/
+# and run/ (pid and log files). lmcache_mp itself never imports lmcache; only this venv does.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+oracle_dir=${LMCACHE_MP_ORACLE_DIR:-$repo/.oracle}
+python_bin=${PYTHON:-python3}
+torch_pin=${LMCACHE_MP_TORCH:-torch==2.13.0}
+
+cmd=${1:-}; shift || true
+version=0.5.3; port=5555; extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --version) version=$2; shift 2 ;;
+    --port) port=$2; shift 2 ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "lmcache-server.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+venv=$oracle_dir/venv-$version
+run_dir=$oracle_dir/run
+pid_file=$run_dir/server-$port.pid
+log_file=$run_dir/server-$port.log
+export LMCACHE_DISABLE_BANNER=1 LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 OMP_NUM_THREADS=1
+
+install() {
+  mkdir -p "$oracle_dir"
+  # One installer at a time per venv (parallel test workers may all ask). The lock
+  # lives in a subshell so no server started later inherits it.
+  (
+    flock 9
+    install_locked
+  ) 9>"$oracle_dir/.install-$version.lock"
+}
+
+install_locked() {
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('lmcache') != '$version')" 2>/dev/null; then
+    return 0
+  fi
+  echo "lmcache-server.sh: installing the oracle venv $venv (torch first, then lmcache==$version)" >&2
+  rm -rf "$venv"
+  "$python_bin" -m venv "$venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip
+  # torch first and pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
+  "$venv/bin/pip" install -q --disable-pip-version-check "$torch_pin"
+  "$venv/bin/pip" install -q --disable-pip-version-check "lmcache==$version"
+}
+
+# Sends GET_CHUNK_SIZE with raw pyzmq + msgspec from the oracle venv; exit 0 when answered.
+probe() {
+  "$venv/bin/python" - "$1" "$2" <<'PY'
+import sys, msgspec, zmq
+url, op = sys.argv[1], int(sys.argv[2])
+ctx = zmq.Context()
+s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(url)
+s.send_multipart([msgspec.msgpack.encode(0), msgspec.msgpack.encode(op)])
+ok = s.poll(1000)
+if ok:
+    print(msgspec.msgpack.decode(s.recv_multipart()[-1]))
+s.close(); ctx.term()
+sys.exit(0 if ok else 1)
+PY
+}
+
+is_our_server() {  # pid still runs, and is the server we started (not a recycled pid)
+  [ -r "/proc/$1/cmdline" ] && tr '\0' ' ' <"/proc/$1/cmdline" | grep -q "lmcache.v1.multiprocess.server.*--port $port"
+}
+
+start() {
+  install
+  mkdir -p "$run_dir"
+  if [ -f "$pid_file" ] && is_our_server "$(cat "$pid_file")"; then
+    echo "lmcache-server.sh: a server is already running on port $port (pid $(cat "$pid_file"))" >&2; exit 1
+  fi
+  # GET_CHUNK_SIZE is 21 in 0.5.3-0.5.6 (ids 1-24 are frozen since 0.5.3).
+  setsid "$venv/bin/python" -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port "$port" \
+    --l1-size-gb 1 --eviction-policy LRU --disable-observability "${extra[@]}" >"$log_file" 2>&1 </dev/null &
+  echo $! >"$pid_file"
+  local pid; pid=$(cat "$pid_file")
+  for _ in $(seq 1 240); do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "lmcache-server.sh: server exited during start; last log lines:" >&2; tail -20 "$log_file" >&2; rm -f "$pid_file"; exit 1
+    fi
+    if probe "tcp://127.0.0.1:$port" 21 >/dev/null 2>&1; then
+      echo "lmcache-server.sh: LMCache $version server pid $pid on tcp://127.0.0.1:$port (log $log_file)"; return 0
+    fi
+    sleep 0.5
+  done
+  echo "lmcache-server.sh: server did not answer GET_CHUNK_SIZE within 120 s" >&2; stop; exit 1
+}
+
+stop() {
+  [ -f "$pid_file" ] || { echo "lmcache-server.sh: no server recorded on port $port"; return 0; }
+  local pid; pid=$(cat "$pid_file")
+  if is_our_server "$pid"; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 1 100); do is_our_server "$pid" || break; sleep 0.1; done
+    if is_our_server "$pid"; then
+      kill -KILL "$pid" 2>/dev/null || true
+      for _ in $(seq 1 50); do is_our_server "$pid" || break; sleep 0.1; done
+    fi
+  fi
+  # A SIGKILLed server leaves its 1 GiB L1 pool segment behind.
+  rm -f "/dev/shm/lmcache_l1_pool_$pid"
+  rm -f "$pid_file"
+  echo "lmcache-server.sh: stopped server pid $pid on port $port"
+}
+
+case "$cmd" in
+  install) install; echo "$venv" ;;
+  start) start ;;
+  stop) stop ;;
+  python) install; exec "$venv/bin/python" "${extra[@]}" ;;
+  venv) echo "$venv" ;;
+  *) sed -n 2,12p "$0" >&2; exit 2 ;;
+esac

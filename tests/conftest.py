@@ -1,0 +1,83 @@
+"""Fixtures that run real LMCache MP servers from the oracle venv.
+
+The oracle (scripts/lmcache-server.sh) installs LMCache into its own virtualenv on
+first use; lmcache_mp itself never imports it. Set LMCACHE_MP_SKIP_LIVE=1 to skip
+live tests on a machine that cannot install the oracle.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER_SCRIPT = REPO / "scripts" / "lmcache-server.sh"
+SERVER_VERSION = os.environ.get("LMCACHE_MP_SERVER_VERSION", "0.5.3")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    port: int
+    version: str
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        pid_file = _oracle_dir() / "run" / f"server-{self.port}.pid"
+        return int(pid_file.read_text())
+
+    @property
+    def log(self) -> str:
+        return (_oracle_dir() / "run" / f"server-{self.port}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        subprocess.run([str(SERVER_SCRIPT), "stop", "--port", str(self.port)], check=False,
+                       capture_output=True)
+
+
+def _oracle_dir() -> Path:
+    return Path(os.environ.get("LMCACHE_MP_ORACLE_DIR", REPO / ".oracle"))
+
+
+def start_server(*extra: str) -> LiveServer:
+    if os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1":
+        pytest.skip("LMCACHE_MP_SKIP_LIVE=1: live tests against a real LMCache server skipped")
+    port = free_port()
+    cmd = [str(SERVER_SCRIPT), "start", "--version", SERVER_VERSION, "--port", str(port)]
+    if extra:
+        cmd += ["--", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not start the LMCache server:\n{proc.stdout}\n{proc.stderr}")
+    return LiveServer(port, SERVER_VERSION)
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[LiveServer]:
+    """One real server shared by the tests that leave it healthy."""
+    server = start_server("--supported-transfer-mode", "auto")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_server() -> Iterator[LiveServer]:
+    """A server of the test's own, for tests that kill it or its message thread."""
+    server = start_server()
+    yield server
+    server.stop()

@@ -1,0 +1,122 @@
+"""CacheKey validation and the token hasher mirror (fixtures from LMCache's own hasher)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lmcache_mp import CacheKey, InvalidArgument
+from lmcache_mp.hashing import NONE_HASH, chunk_hashes, kv_rank, object_keys
+from lmcache_mp.protocol import get_profile
+
+from .fixture_values import load
+
+HASHES = load("0.5.3", "hashes")
+
+
+def make(**kw: object) -> CacheKey:
+    args: dict[str, object] = dict(
+        model_name="m", world_size=1, worker_id=0, token_ids=list(range(512)), start=0,
+        end=512, request_id="r",
+    )
+    args.update(kw)
+    return CacheKey(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("case", HASHES, ids=lambda c: f"{c['name']}-{c['chunk_size']}")
+def test_chunk_hashes_match_lmcache_token_hasher(case: dict) -> None:  # type: ignore[type-arg]
+    assert NONE_HASH.hex() == case["none_hash"]
+    tokens = case["token_ids"]
+    assert [h.hex() for h in chunk_hashes(tokens, case["chunk_size"])] == case["hashes"]
+    as_array = np.array(tokens, dtype=np.uint32)
+    assert [h.hex() for h in chunk_hashes(as_array, case["chunk_size"])] == case["hashes"]
+    got = [h.hex() for h in chunk_hashes(tokens, case["chunk_size"], start=256)]
+    assert got == case["hashes_from_256"]
+
+
+@pytest.mark.parametrize("case", [c for c in HASHES if c["hashes"]], ids=lambda c: c["name"])
+def test_kv_ranks_match_lmcache_object_keys(case: dict) -> None:  # type: ignore[type-arg]
+    for spec, ranks in case["kv_ranks"].items():
+        ws, wid = spec.split("/")
+        world = int(ws)
+        worker = None if wid == "None" else int(wid)
+        expected_ranks = range(world) if worker is None else [worker]
+        assert [kv_rank(world, r) for r in expected_ranks] == ranks
+
+
+def test_object_keys_expand_all_ranks_for_lookup_keys() -> None:
+    keys = object_keys(list(range(600)), model_name="m", world_size=2, cache_salt="s")
+    assert [(k.chunk_index, k.rank) for k in keys] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert keys[0].chunk_hash == keys[1].chunk_hash != keys[2].chunk_hash
+
+
+def test_key_accepts_list_tuple_and_numpy_tokens_identically() -> None:
+    toks = [5, 0, 2**32 - 1, 7]
+    a = make(token_ids=toks, end=4)
+    b = make(token_ids=tuple(toks), end=4)
+    c = make(token_ids=np.array(toks, dtype=np.uint64), end=4)
+    assert a == b == c
+    assert a.token_ids == tuple(toks)
+    assert all(type(t) is int for t in c.token_ids)
+
+
+def test_request_id_is_not_part_of_identity() -> None:
+    assert make(request_id="a") == make(request_id="b")
+    assert hash(make(request_id="a")) == hash(make(request_id="b"))
+    assert make(cache_salt="x") != make()
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(token_ids=[2**32]), "uint32"),
+        (dict(token_ids=[-1]), "uint32"),
+        (dict(token_ids=[True, 2], end=2), "uint32"),
+        (dict(token_ids=[1.0], end=1), "uint32"),
+        (dict(token_ids=np.array([1.5]), end=1), "integers"),
+        (dict(token_ids=np.array([-3]), end=1), "uint32"),
+        (dict(token_ids=np.zeros((2, 2), dtype=np.int64), end=0), "one-dimensional"),
+        (dict(token_ids="abc"), "list, tuple"),
+        (dict(cache_salt="a@b"), "must not contain"),
+        (dict(cache_salt="a/b"), "must not contain"),
+        (dict(cache_salt="a\\b"), "must not contain"),
+        (dict(cache_salt="a\x00b"), "must not contain"),
+        (dict(cache_salt="s" * 129), "at most 128"),
+        (dict(model_name="a@b"), "must not contain '@'"),
+        (dict(model_name=""), "non-empty"),
+        (dict(world_size=0), "world_size"),
+        (dict(world_size=True), "world_size"),
+        (dict(worker_id=1), "worker_id"),
+        (dict(worker_id=-1), "worker_id"),
+        (dict(start=-256), "start"),
+        (dict(start=256, end=0), "start"),
+        (dict(end=513), "len\\(token_ids\\)"),
+        (dict(request_id=None), "request_id"),
+    ],
+)
+def test_key_validation_rejects_what_the_server_would_drop(kw: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(InvalidArgument, match=message):
+        make(**kw)
+
+
+def test_key_is_immutable_and_replace_validates() -> None:
+    k = make()
+    with pytest.raises(AttributeError):
+        k.start = 5  # type: ignore[misc]
+    assert k.replace(start=256).start == 256
+    with pytest.raises(InvalidArgument):
+        k.replace(cache_salt="@")
+
+
+def test_salt_of_exactly_128_chars_is_allowed() -> None:
+    assert make(cache_salt="s" * 128).cache_salt == "s" * 128
+
+
+def test_wire_key_has_exactly_the_eight_0_5_3_fields_in_order() -> None:
+    profile = get_profile("0.5.3")
+    assert profile.key_type.__struct_fields__ == (
+        "model_name", "world_size", "worker_id", "token_ids", "start", "end", "request_id",
+        "cache_salt",
+    )
+    wire = profile.build_key(make(), None)
+    assert wire.worker_id is None  # type: ignore[attr-defined]

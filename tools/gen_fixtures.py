@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""Write byte fixtures with LMCache's OWN encoder and hasher (run in the oracle venv).
+
+    scripts/lmcache-server.sh python -- tools/gen_fixtures.py [--out fixtures]
+
+For every operation of the engine, controller, debug and observability groups it
+encodes several representative payloads with ``lmcache.v1.multiprocess.mq.msgspec_encode``
+and the real payload classes, and representative replies with the real response
+classes; it also records the server's token hashes and kv ranks. Unit tests compare
+lmcache_mp's frames with these bytes and decode these replies without lmcache.
+
+Payload values are written as tagged JSON so the tests can rebuild them with
+lmcache_mp's types: {"$key": {...}}, {"$bytes": hex}, {"$float": x},
+{"$wrappers": [pickle hex, ...]}, {"$hints": {...}}, {"$groups": [...]},
+{"$records": [...]}, {"$engine_driven": {...}}, {"$engine": "vllm"}, and for replies
+{"$struct": {field: value}} with {"$json": plain JSON} for free-form maps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import lmcache
+import msgspec
+import torch
+from lmcache.utils import EngineType
+from lmcache.v1.distributed.api import ipc_key_to_object_keys
+from lmcache.v1.multiprocess.custom_types import (
+    BlockAllocationRecord,
+    IPCCacheServerKey,
+    RegisterEngineDrivenContextPayload,
+)
+from lmcache.v1.multiprocess.group_view import EngineGroupInfo
+from lmcache.v1.multiprocess.mq import msgspec_encode
+from lmcache.v1.multiprocess.protocol import get_payload_classes, get_response_class
+from lmcache.v1.multiprocess.protocols.base import RequestType
+from lmcache.v1.multiprocess.protocols.engine import (
+    PrepareRetrieveResponse,
+    PrepareStoreResponse,
+    RegisterEngineDrivenContextResponse,
+)
+from lmcache.v1.multiprocess.token_hasher import TokenHasher
+from lmcache.v1.platform.cpu.shm import CpuShmTensorWrapper
+
+GROUPS = {
+    "engine": [
+        "REGISTER_KV_CACHE", "UNREGISTER_KV_CACHE", "REGISTER_Q_CACHE", "UNREGISTER_Q_CACHE",
+        "STORE_Q", "STORE", "RETRIEVE", "LOOKUP", "QUERY_PREFETCH_STATUS",
+        "WAIT_PREFETCH_STATUS", "QUERY_PREFETCH_LOOKUP_HITS", "FREE_LOOKUP_LOCKS",
+        "END_SESSION", "REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
+        "UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", "PREPARE_STORE", "COMMIT_STORE",
+        "PREPARE_RETRIEVE", "COMMIT_RETRIEVE",
+    ],
+    "controller": ["CLEAR", "GET_CHUNK_SIZE", "PING", "GET_EXPERIMENTAL"],
+    "observability": ["REPORT_BLOCK_ALLOCATION"],
+    "debug": ["NOOP"],
+}
+
+rng = random.Random(20261130)
+
+
+# ---------------------------------------------------------------- value tagging
+def tag(value: Any) -> Any:
+    if isinstance(value, IPCCacheServerKey):
+        return {"$key": {
+            "model_name": value.model_name, "world_size": value.world_size,
+            "worker_id": value.worker_id, "token_ids": list(value.token_ids),
+            "start": value.start, "end": value.end, "request_id": value.request_id,
+            "cache_salt": value.cache_salt,
+        }}
+    if isinstance(value, bytes):
+        return {"$bytes": value.hex()}
+    if isinstance(value, float):
+        return {"$float": value}
+    if isinstance(value, EngineType):
+        return {"$engine": value.value}
+    if isinstance(value, RegisterEngineDrivenContextPayload):
+        return {"$engine_driven": msgspec.to_builtins(value)}
+    if isinstance(value, list) and value and isinstance(value[0], CpuShmTensorWrapper):
+        return {"$wrappers": [pickle.dumps(w).hex() for w in value]}
+    if isinstance(value, list) and value and isinstance(value[0], EngineGroupInfo):
+        return {"$groups": [msgspec.to_builtins(g) for g in value]}
+    if isinstance(value, list) and value and isinstance(value[0], BlockAllocationRecord):
+        return {"$records": [
+            {"req_id": r.req_id, "new_block_ids": r.new_block_ids,
+             "new_token_ids": r.new_token_ids} for r in value
+        ]}
+    if isinstance(value, dict):
+        return {"$hints": value}
+    if isinstance(value, tuple):
+        return [tag(v) for v in value]
+    if isinstance(value, list):
+        return [tag(v) for v in value]
+    if isinstance(value, (PrepareStoreResponse, PrepareRetrieveResponse,
+                          RegisterEngineDrivenContextResponse)):
+        return {"$struct": {k: ({"$json": v} if isinstance(v, dict) else tag(v))
+                            for k, v in vars(value).items()}}
+    return value
+
+
+# ------------------------------------------------------------- representative values
+def key(tokens: list[int], *, worker_id: int | None = 0, start: int = 0, end: int | None = None,
+        model: str = "m", world_size: int = 1, request_id: str = "r", salt: str = "") -> IPCCacheServerKey:
+    return IPCCacheServerKey(
+        model_name=model, world_size=world_size, worker_id=worker_id, token_ids=tuple(tokens),
+        start=start, end=len(tokens) if end is None else end, request_id=request_id,
+        cache_salt=salt,
+    )
+
+
+def keys(worker: bool) -> list[IPCCacheServerKey]:
+    w = 0 if worker else None
+    long = [rng.randrange(0, 2**32) for _ in range(4096)]
+    return [
+        key([1, 2], worker_id=w, start=0, end=2),  # the reference's K0 / KN shape
+        key([], worker_id=w, start=0, end=0, request_id=""),
+        key(long, worker_id=(3 if worker else None), world_size=4, start=256, end=4096,
+            request_id="req-" + "x" * 40),
+        key([0, 127, 128, 255, 256, 65535, 65536, 2**31, 2**32 - 1] * 30, worker_id=w,
+            start=0, end=256, salt="tenant-42_salt.v1"),
+        key(list(range(512)), worker_id=w, model="模型/llama-3.1 ✓ " + "é" * 40,
+            request_id="ünïcode-✓", salt="s" * 128),
+    ]
+
+
+def shm_wrapper(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> CpuShmTensorWrapper:
+    w = object.__new__(CpuShmTensorWrapper)
+    numel = 1
+    for d in shape:
+        numel *= d
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    w.shm_name = name
+    w.nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    w.handle = None
+    w.dtype = dtype
+    w.shape = tuple(shape)
+    w.stride = tuple(reversed(strides))
+    w.storage_offset = 0
+    w.device_uuid = "cpu"
+    return w
+
+
+def register_payloads() -> list[list[Any]]:
+    one = [shm_wrapper("/lmcache_kv_1234_0", (2, 4, 8, 16, 64), torch.float16)]
+    two = [shm_wrapper(f"/lmcache_mp_99_{i}", (2, 64, 4, 16, 32), torch.bfloat16) for i in range(2)]
+    mla = [shm_wrapper("/x", (128, 16, 576), torch.float32)]
+    groups = [EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1), tokens_per_block=16)]
+    return [
+        [7, one, "m", 1, EngineType.VLLM, {"kv_layout": "HND"}, []],
+        [2**63 - 1, two, "模型 ✓", 2, EngineType.VLLM, {"kv_layout": "HND"}, groups],
+        [0, mla, "mla-model", 1, EngineType.SGLANG, {}, [EngineGroupInfo(engine_group_id=0)]],
+        [123456789, one, "m", 8, EngineType.TRTLLM,
+         {"kv_layout": "NHD", "num_kv_heads": 8, "tokens_per_block": 32, "head_dim": 128},
+         [EngineGroupInfo(engine_group_id=0, layer_indices=(0,), tokens_per_block=32,
+                          sw_size_tokens=4096),
+          EngineGroupInfo(engine_group_id=1, layer_indices=(), tokens_per_block=0)]],
+        [-5, one, "", 1, EngineType.MOCK, {"tokens_per_block": 16}, []],
+    ]
+
+
+EVENTS = [b"", bytes(range(64)), b"\xff" * 300, bytes(70000)]
+BLOCKS = [[[0, 1]], [list(range(256))], [[0, 1, 2], [70000, 2**40]], [[]]]
+INSTANCES = [7, 0, 2**63 - 1, -1, 65536]
+REQUEST_IDS = ["r", "", "req-" + "y" * 300, "ünïcode-✓"]
+
+
+def payload_sets(op: str) -> list[list[Any]]:
+    wkeys, nkeys = keys(True), keys(False)
+    if op in ("REGISTER_KV_CACHE", "REGISTER_Q_CACHE"):
+        return register_payloads()
+    if op in ("UNREGISTER_KV_CACHE", "UNREGISTER_Q_CACHE",
+              "UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT"):
+        return [[i] for i in INSTANCES]
+    if op in ("STORE", "STORE_Q"):
+        return [[k, INSTANCES[i % 5], BLOCKS[i % 4], EVENTS[i % 4]] for i, k in enumerate(wkeys)]
+    if op == "RETRIEVE":
+        return [[k, INSTANCES[i % 5], BLOCKS[i % 4], EVENTS[i % 4], [0, 16, 255, 4096, 2**40][i]]
+                for i, k in enumerate(wkeys)]
+    if op in ("LOOKUP", "FREE_LOOKUP_LOCKS"):
+        return [[k, [1, 2, 8, 1, 64][i]] for i, k in enumerate(nkeys)]
+    if op in ("QUERY_PREFETCH_STATUS", "QUERY_PREFETCH_LOOKUP_HITS", "END_SESSION"):
+        return [[r] for r in REQUEST_IDS]
+    if op == "WAIT_PREFETCH_STATUS":
+        return [["r", 5.0], ["", 0.001], ["req-" + "y" * 300, 3600.5], ["ünïcode-✓", 1e-9]]
+    if op == "REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT":
+        return [
+            [RegisterEngineDrivenContextPayload(7, "m", 1, 16, 2, 128, "float16", False)],
+            [RegisterEngineDrivenContextPayload(2**63 - 1, "模型 ✓", 8, 64, 80, 8192,
+                                                "bfloat16", True)],
+            [RegisterEngineDrivenContextPayload(0, "", 1, 1, 1, 1, "float32", False)],
+        ]
+    if op in ("PREPARE_STORE", "PREPARE_RETRIEVE", "COMMIT_RETRIEVE"):
+        return [[k, INSTANCES[i % 5]] for i, k in enumerate(wkeys)]
+    if op == "COMMIT_STORE":
+        return [[k, INSTANCES[i % 5], EVENTS[i % 4]] for i, k in enumerate(wkeys)]
+    if op in ("CLEAR", "GET_CHUNK_SIZE", "GET_EXPERIMENTAL", "NOOP"):
+        return [[]]
+    if op == "PING":
+        return [[None], [7], [2**63 - 1], [0]]
+    if op == "REPORT_BLOCK_ALLOCATION":
+        return [
+            [7, "m", [BlockAllocationRecord("r", [3], [9])]],
+            [2**63 - 1, "模型 ✓", [BlockAllocationRecord("a", list(range(300)), [2**32 - 1] * 20),
+                                  BlockAllocationRecord("", [], [])]],
+            [0, "m", []],
+        ]
+    raise KeyError(op)
+
+
+def reply_values(op: str) -> list[Any]:
+    """Values the server's handlers return; None is the 2-frame acknowledgement."""
+    cls = get_response_class(RequestType[op])
+    if cls is None:
+        return [None]
+    slots = {"slots": [{"offset": 0, "length": 262144, "shape": [2, 2, 256, 128],
+                        "dtype": "float16"},
+                       {"offset": 2**33, "length": 262144, "shape": [2, 2, 256, 128],
+                        "dtype": "bfloat16"}],
+             "chunk_indices": [0, 3]}
+    table: dict[str, list[Any]] = {
+        "STORE": [(b"stub_ipc_handle", True), (bytes(64), False)],
+        "RETRIEVE": [(b"stub_ipc_handle", True), (b"", False)],
+        "STORE_Q": [(b"stub_ipc_handle", True)],
+        "QUERY_PREFETCH_STATUS": [0, 1, 16, 2**40, None],
+        "WAIT_PREFETCH_STATUS": [0, 3, None],
+        "QUERY_PREFETCH_LOOKUP_HITS": [0, 7, None],
+        "REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT": [
+            RegisterEngineDrivenContextResponse("lmcache_l1_pool_42", 1073741824),
+            RegisterEngineDrivenContextResponse(),
+        ],
+        "PREPARE_STORE": [PrepareStoreResponse(context=slots), PrepareStoreResponse(),
+                          PrepareStoreResponse(context={"slots": [], "chunk_indices": []})],
+        "COMMIT_STORE": [True, False],
+        "PREPARE_RETRIEVE": [PrepareRetrieveResponse(True, b"", {"slots": slots["slots"]}),
+                             PrepareRetrieveResponse(False),
+                             PrepareRetrieveResponse(True, b"\x80\x04pickled", {})],
+        "COMMIT_RETRIEVE": [True, False],
+        "GET_CHUNK_SIZE": [256, 16, 65536],
+        "PING": [True],
+        "GET_EXPERIMENTAL": [[], ["transfer_query"], ["a", "ünï"]],
+        "NOOP": ["OK"],
+    }
+    return table[op]
+
+
+# ----------------------------------------------------------------------- main
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="fixtures")
+    args = ap.parse_args()
+    version = lmcache.__version__ if hasattr(lmcache, "__version__") else "unknown"
+    from importlib.metadata import version as dist_version
+
+    version = dist_version("lmcache")
+    out = Path(args.out) / f"v{version}"
+    out.mkdir(parents=True, exist_ok=True)
+
+    requests, replies = [], []
+    uid_cycle = [5, 0, 2**31, 127]
+    for group, ops in GROUPS.items():
+        for op in ops:
+            rt = RequestType[op]
+            classes = get_payload_classes(rt)
+            for n, payloads in enumerate(payload_sets(op)):
+                assert len(payloads) == len(classes), (op, payloads)
+                uid = uid_cycle[n % len(uid_cycle)]
+                frames = [msgspec_encode(uid, int), msgspec_encode(rt, RequestType)]
+                frames += [msgspec_encode(p, c) for p, c in zip(payloads, classes, strict=True)]
+                requests.append({
+                    "op": op, "group": group, "id": rt.value, "uid": uid,
+                    "payloads": [tag(p) for p in payloads],
+                    "frames": [f.hex() for f in frames],
+                })
+            cls = get_response_class(rt)
+            for n, value in enumerate(reply_values(op)):
+                frames = [msgspec_encode(n, int), msgspec_encode(rt, RequestType)]
+                if value is not None:
+                    frames.append(msgspec_encode(value, cls))
+                replies.append({"op": op, "value": tag(value),
+                                "frames": [f.hex() for f in frames]})
+
+    hasher_cases = []
+    token_lists = {
+        "empty": [],
+        "partial": list(range(100)),
+        "one_chunk": list(range(256)),
+        "random_1000": [rng.randrange(0, 2**32) for _ in range(1000)],
+        "extremes": [0, 2**32 - 1] * 256,
+    }
+    for chunk_size in (256, 16):
+        hasher = TokenHasher(chunk_size=chunk_size, hash_algorithm="blake3")
+        for name, tokens in token_lists.items():
+            hashes = hasher.compute_chunk_hashes(tokens)
+            ranks = {}
+            for ws, wid in ((1, None), (2, None), (4, 3), (8, None)):
+                k = key(tokens, worker_id=wid, world_size=ws, end=0, model="m", salt="s")
+                ranks[f"{ws}/{wid}"] = [ok.kv_rank for ok in ipc_key_to_object_keys(k, hashes[:1], [0])[0]]
+            hasher_cases.append({
+                "name": name, "chunk_size": chunk_size, "token_ids": tokens,
+                "none_hash": hasher.none_hash.hex(),
+                "hashes": [h.hex() for h in hashes],
+                "hashes_from_256": [h.hex() for h in hasher.compute_chunk_hashes(tokens, start=256)],
+                "kv_ranks": ranks,
+            })
+
+    meta = {"lmcache_version": version, "msgspec_version": msgspec.__version__,
+            "generator": "tools/gen_fixtures.py"}
+    for name, data in (("requests", requests), ("replies", replies), ("hashes", hasher_cases)):
+        path = out / f"{name}.json"
+        path.write_text(json.dumps({"meta": meta, "cases": data}, ensure_ascii=False, indent=0) + "\n")
+        print(f"wrote {path}: {len(data)} cases")
+
+
+if __name__ == "__main__":
+    main()
