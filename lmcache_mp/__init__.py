@@ -16,6 +16,7 @@ from .errors import (
     ServerUnavailable,
 )
 from .futures import ReplyFuture
+from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 from .protocol.types import BlockAllocationRecord, EngineGroupInfo
 
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client",
     "CacheKey",
+    "CpuKVCache",
     "ReplyFuture",
     "BlockAllocationRecord",
     "EngineGroupInfo",

@@ -2,17 +2,32 @@
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from .errors import InvalidArgument, RequestTimeout
+import numpy as np
+
+from .errors import InvalidArgument, ProtocolMismatch, RequestTimeout
 from .futures import ReplyFuture
+from .ipc.cpu_cache import STORAGE_DTYPES, CpuKVCache
+from .ipc.paged_copy import gather_chunk, scatter_chunk
+from .ipc.shm import map_existing
 from .keys import CacheKey
 from .protocol import Profile, decode_reply, encode_request, get_profile
 from .protocol.operations import Operation
-from .protocol.types import BlockAllocationRecord
+from .protocol.types import (
+    BlockAllocationRecord,
+    EngineGroupInfo,
+    LayoutHints,
+    PrepareRetrieveResponse,
+    PrepareStoreResponse,
+    RegisterEngineDrivenContextPayload,
+    RegisterEngineDrivenContextResponse,
+)
+from .registrations import Registration, normalize_block_ids
 from .transport import PendingRequest, Transport
 
 __all__ = ["Client", "DEFAULT_TIMEOUT"]
@@ -53,6 +68,9 @@ class Client:
         self._profile: Profile = get_profile(protocol)
         self._transport = Transport(url)
         self._chunk_size: int | None = None
+        self._registrations: dict[int, Registration] = {}
+        # The server's L1 pool (engine-driven mode), mapped once per client.
+        self._pools: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
 
     # ---------------------------------------------------------------- plumbing
     @property
@@ -88,8 +106,19 @@ class Client:
         return self._profile.op(name)
 
     def close(self) -> None:
-        """Fail pending calls with ClientClosed and release the socket. Idempotent."""
+        """Fail pending calls with ClientClosed and release the socket. Idempotent.
+
+        Registrations stay on the server (unregister first if you are done); KV caches
+        are the caller's to close.
+        """
         self._transport.close()
+        self._registrations.clear()
+        for pool, _view in self._pools.values():
+            try:
+                pool.close()
+            except BufferError:
+                pass
+        self._pools.clear()
 
     @property
     def closed(self) -> bool:
@@ -249,6 +278,371 @@ class Client:
             for r in records
         ]
         self._call("REPORT_BLOCK_ALLOCATION", (instance_id, model_name, recs), timeout)
+
+
+    def wait_for_lookup(
+        self,
+        key: CacheKey,
+        min_chunks: int | None = None,
+        *,
+        timeout: float | None = None,
+        poll_interval: float = 0.02,
+        tp_size: int = 1,
+    ) -> int:
+        """LOOKUP until at least ``min_chunks`` (default: all complete chunks of the
+        key's tokens) are cached, or ``timeout`` passes; returns the last hit count.
+
+        A STORE's reply comes before its chunks are visible (the server commits them
+        asynchronously), so "store, then look up at once" can miss. Partial hits of
+        the retries are released; the final lookup's locks are held for a RETRIEVE.
+        """
+        chunk = self.chunk_size()
+        want = len(key.token_ids) // chunk if min_chunks is None else min_chunks
+        budget = self.timeout if timeout is None else _check_timeout(timeout)
+        deadline = time.monotonic() + budget
+        while True:
+            remaining = deadline - time.monotonic()
+            hits = self.lookup(key, tp_size, timeout=max(remaining, 0.05))
+            if hits >= want or time.monotonic() + poll_interval >= deadline:
+                return hits
+            if hits:
+                self.free_lookup_locks(key.replace(start=0, end=hits * chunk), tp_size)
+            time.sleep(poll_interval)
+
+    # ----------------------------------------------- data plane: registration
+    def register_kv_cache(
+        self,
+        kv_cache: CpuKVCache,
+        *,
+        instance_id: int,
+        model_name: str,
+        world_size: int = 1,
+        worker_id: int = 0,
+        engine_group_infos: Sequence[EngineGroupInfo] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """REGISTER_KV_CACHE: let the server map ``kv_cache`` (LMCache-driven mode:
+        the server copies blocks itself on :meth:`store` / :meth:`retrieve`).
+
+        ``instance_id`` names this worker's registration (any int64, e.g. a random
+        63-bit value); ``worker_id`` is this worker's KV rank, used when a key's own
+        ``worker_id`` is None. Layers are described as HND with an explicit
+        ``{"kv_layout": "HND"}`` hint and, by default, one group holding every layer
+        with ``tokens_per_block = block_size``.
+        """
+        reg = self._new_registration("lmcache_driven", kv_cache, instance_id, model_name,
+                                     world_size, worker_id, engine_group_infos, timeout)
+        g = kv_cache.geometry
+        blobs = [
+            self._profile.wrap_cpu_shm(name, g.layer_nbytes, g.dtype, g.layer_shape, g.layer_strides)
+            for name in kv_cache.segment_names
+        ]
+        hints = LayoutHints() if g.mla else LayoutHints(kv_layout="HND")
+        self._call(
+            "REGISTER_KV_CACHE",
+            (instance_id, blobs, model_name, world_size, "vllm", hints, list(reg.groups)),
+            timeout,
+        )
+        self._registrations[instance_id] = reg
+
+    def unregister_kv_cache(
+        self, instance_id: int, *, timeout: float | None = None, unlink: bool = True
+    ) -> None:
+        """UNREGISTER_KV_CACHE; then unlink the cache's SHM names (the memory stays
+        mapped here until the cache is closed). End the sessions of this model first:
+        the server does not answer END_SESSION after the last unregister."""
+        self._call("UNREGISTER_KV_CACHE", (instance_id,), timeout)
+        reg = self._registrations.pop(instance_id, None)
+        if reg is not None and unlink:
+            reg.cache.unlink()
+
+    def _new_registration(
+        self,
+        mode: Literal["lmcache_driven", "engine_driven"],
+        kv_cache: CpuKVCache,
+        instance_id: int,
+        model_name: str,
+        world_size: int,
+        worker_id: int,
+        engine_group_infos: Sequence[EngineGroupInfo] | None,
+        timeout: float | None,
+    ) -> Registration:
+        if not isinstance(kv_cache, CpuKVCache):
+            raise InvalidArgument(
+                f"kv_cache must be a lmcache_mp.CpuKVCache, got {type(kv_cache).__name__}"
+            )
+        if kv_cache.closed or kv_cache.unlinked:
+            raise InvalidArgument(
+                "this KV cache was closed or unregistered (its shared-memory names are gone); "
+                "allocate a new CpuKVCache to register"
+            )
+        if instance_id in self._registrations:
+            raise InvalidArgument(
+                f"instance {instance_id} is already registered by this client; the server "
+                f"would silently keep the old registration: unregister it first"
+            )
+        # Validate the shared key fields exactly as a CacheKey would.
+        CacheKey(model_name=model_name, world_size=world_size, worker_id=worker_id,
+                 token_ids=(), start=0, end=0, request_id="")
+        g = kv_cache.geometry
+        groups = tuple(engine_group_infos) if engine_group_infos else (
+            EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(g.num_layers)),
+                            tokens_per_block=g.block_size),
+        )
+        chunk = self.chunk_size(timeout=timeout)
+        for group in groups:
+            per_block = group.tokens_per_block or g.block_size
+            if chunk % per_block:
+                raise InvalidArgument(
+                    f"the server's chunk size {chunk} is not a multiple of "
+                    f"{per_block} tokens per block; the server would refuse this cache"
+                )
+        return Registration(mode, instance_id, kv_cache, model_name, world_size, worker_id,
+                            groups, chunk)
+
+    def _registration(self, instance_id: int, mode: str, op: str) -> Registration:
+        reg = self._registrations.get(instance_id)
+        if reg is None:
+            raise InvalidArgument(
+                f"{op}: instance {instance_id} is not registered by this client; register "
+                f"its KV cache first (the server silently drops transfers for unknown instances)"
+            )
+        if reg.mode != mode:
+            raise InvalidArgument(
+                f"{op}: instance {instance_id} is registered for {reg.mode} transfers"
+            )
+        return reg
+
+    # ----------------------------------------- data plane: LMCache-driven mode
+    def _transfer(
+        self,
+        op_name: str,
+        key: CacheKey,
+        block_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+        instance_id: int,
+        extra: tuple[Any, ...],
+        timeout: float | None,
+    ) -> ReplyFuture[bool]:
+        reg = self._registration(instance_id, "lmcache_driven", op_name)
+        reg.check_key(key, op_name)
+        groups = normalize_block_ids(block_ids, key, reg, op_name)
+        wire = self._profile.build_key(key, reg.worker_for(key))
+        # The event handle orders GPU copies; a CPU server ignores it (b"").
+        op, pending = self._submit(op_name, (wire, instance_id, groups, b"", *extra), timeout)
+        return ReplyFuture(self._transport, pending, lambda frames: bool(decode_reply(op, frames)[1]))
+
+    def store_async(
+        self,
+        key: CacheKey,
+        block_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+        *,
+        instance_id: int,
+        timeout: float | None = None,
+    ) -> ReplyFuture[bool]:
+        return self._transfer("STORE", key, block_ids, instance_id, (), timeout)
+
+    def store(
+        self,
+        key: CacheKey,
+        block_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+        *,
+        instance_id: int,
+        timeout: float | None = None,
+    ) -> bool:
+        """STORE tokens ``[key.start, key.end)`` held in ``block_ids`` (one id per block of
+        the range, in order). True when stored (chunks already cached count as stored);
+        the chunks become visible to LOOKUP shortly after (see :meth:`wait_for_lookup`)."""
+        return self.store_async(key, block_ids, instance_id=instance_id, timeout=timeout).result()
+
+    def retrieve_async(
+        self,
+        key: CacheKey,
+        block_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+        *,
+        instance_id: int,
+        skip_first_n_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> ReplyFuture[bool]:
+        _check_skip(skip_first_n_tokens, key)
+        return self._transfer("RETRIEVE", key, block_ids, instance_id, (skip_first_n_tokens,),
+                              timeout)
+
+    def retrieve(
+        self,
+        key: CacheKey,
+        block_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+        *,
+        instance_id: int,
+        skip_first_n_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> bool:
+        """RETRIEVE tokens ``[key.start, key.end)`` into ``block_ids``. Needs a LOOKUP hit
+        covering the range first (its read locks are released by the retrieve); False
+        when any chunk is missing or unlocked. ``skip_first_n_tokens`` (relative to
+        ``start``, rounded down to whole blocks) leaves leading blocks untouched."""
+        return self.retrieve_async(key, block_ids, instance_id=instance_id,
+                                   skip_first_n_tokens=skip_first_n_tokens,
+                                   timeout=timeout).result()
+
+    # ------------------------------------------- data plane: engine-driven mode
+    def register_kv_cache_engine_driven(
+        self,
+        kv_cache: CpuKVCache,
+        *,
+        instance_id: int,
+        model_name: str,
+        world_size: int = 1,
+        worker_id: int = 0,
+        timeout: float | None = None,
+    ) -> RegisterEngineDrivenContextResponse:
+        """REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT: this client copies KV between
+        ``kv_cache`` and the server's shared-memory L1 pool itself (the server needs
+        ``--supported-transfer-mode auto`` or ``engine_driven``). Returns where the pool
+        is; a server without a pool (GPU hosts with a lazy L1) is refused."""
+        reg = self._new_registration("engine_driven", kv_cache, instance_id, model_name,
+                                     world_size, worker_id, None, timeout)
+        g = kv_cache.geometry
+        payload = RegisterEngineDrivenContextPayload(
+            instance_id=instance_id, model_name=model_name, world_size=world_size,
+            block_size=g.block_size, num_layers=g.num_layers, hidden_dim_size=g.hidden_dim,
+            dtype_str=g.dtype, use_mla=g.mla,
+        )
+        info: RegisterEngineDrivenContextResponse = self._call(
+            "REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (payload,), timeout
+        )
+        if not info.shm_name or info.pool_size <= 0:
+            self._call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (instance_id,), timeout)
+            raise ProtocolMismatch(
+                "the server has no shared-memory L1 pool (lazy L1, or --shm-name ''), so "
+                "engine-driven transfers would need pickled torch tensors, which lmcache_mp "
+                "does not send; start the server with --no-l1-use-lazy, or use "
+                "register_kv_cache()"
+            )
+        if info.shm_name not in self._pools:
+            pool = map_existing(info.shm_name, info.pool_size)
+            self._pools[info.shm_name] = (pool, np.frombuffer(pool, dtype=np.uint8))
+        reg.pool_name, reg.pool_size = info.shm_name, info.pool_size
+        reg.pool_view = self._pools[info.shm_name][1]
+        self._registrations[instance_id] = reg
+        return info
+
+    def unregister_kv_cache_engine_driven(
+        self, instance_id: int, *, timeout: float | None = None, unlink: bool = True
+    ) -> None:
+        """UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT (also drops the instance's pending
+        reservations on the server); then unlink the cache's SHM names."""
+        self._call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (instance_id,), timeout)
+        reg = self._registrations.pop(instance_id, None)
+        if reg is not None and unlink:
+            reg.cache.unlink()
+
+    def _slot(self, reg: Registration, slot: Any) -> np.ndarray:
+        """A chunk object in the server's pool, checked against what we registered."""
+        g = reg.cache.geometry
+        expect = ([g.num_layers, reg.chunk_size, g.hidden_dim] if g.mla
+                  else [2, g.num_layers, reg.chunk_size, g.hidden_dim])
+        try:
+            offset, length, shape, dtype = (int(slot["offset"]), int(slot["length"]),
+                                            list(slot["shape"]), str(slot["dtype"]))
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolMismatch(f"unreadable slot descriptor from the server: {slot!r}") from None
+        nbytes = int(np.prod(expect)) * g.itemsize
+        # MLA objects stored through REGISTER_KV_CACHE carry a leading kv_size of 1:
+        # same bytes, one more dimension.
+        shape_ok = shape == expect or (g.mla and shape == [1, *expect])
+        if not shape_ok or dtype != g.dtype or length != nbytes or offset < 0 or (
+            offset + length > reg.pool_size
+        ):
+            raise ProtocolMismatch(
+                f"the server offered slot {slot!r}, expected shape {expect} {g.dtype} "
+                f"({nbytes} bytes) inside a {reg.pool_size}-byte pool"
+            )
+        assert reg.pool_view is not None
+        np_dtype = STORAGE_DTYPES[g.dtype][0]
+        view: np.ndarray = reg.pool_view[offset : offset + length].view(np_dtype).reshape(expect)
+        return view
+
+    def _engine_driven_ids(
+        self,
+        op: str,
+        key: CacheKey,
+        block_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
+        instance_id: int,
+    ) -> tuple[Registration, np.ndarray, int]:
+        reg = self._registration(instance_id, "engine_driven", op)
+        reg.check_key(key, op)
+        ids = np.asarray(normalize_block_ids(block_ids, key, reg, op)[0], dtype=np.int64)
+        return reg, ids, reg.chunk_size // reg.cache.geometry.block_size
+
+    def store_engine_driven(
+        self,
+        key: CacheKey,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        instance_id: int,
+        timeout: float | None = None,
+    ) -> bool:
+        """PREPARE_STORE, copy the blocks into the reserved pool slots, COMMIT_STORE.
+        Chunks already cached are skipped (True without a commit)."""
+        reg, ids, per_chunk = self._engine_driven_ids("PREPARE_STORE", key, block_ids, instance_id)
+        wire = self._profile.build_key(key, reg.worker_for(key))
+        prepared: PrepareStoreResponse = self._call("PREPARE_STORE", (wire, instance_id), timeout)
+        slots = prepared.context.get("slots") or []
+        chunk_indices = prepared.context.get("chunk_indices") or []
+        if not slots:
+            return True
+        if len(slots) != len(chunk_indices):
+            raise ProtocolMismatch(f"PREPARE_STORE returned {len(slots)} slots for "
+                                   f"{len(chunk_indices)} chunk indices")
+        layers = reg.cache.layers
+        g = reg.cache.geometry
+        for slot, ci in zip(slots, chunk_indices, strict=True):
+            target = self._slot(reg, slot)
+            gather_chunk(layers, ids[int(ci) * per_chunk : (int(ci) + 1) * per_chunk], target, g)
+        return bool(self._call("COMMIT_STORE", (wire, instance_id, b""), timeout))
+
+    def retrieve_engine_driven(
+        self,
+        key: CacheKey,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        instance_id: int,
+        skip_first_n_tokens: int = 0,
+        timeout: float | None = None,
+    ) -> bool:
+        """PREPARE_RETRIEVE, copy the pool slots into the blocks, COMMIT_RETRIEVE (which
+        releases the LOOKUP's read locks). Needs a LOOKUP hit first; False on a miss."""
+        _check_skip(skip_first_n_tokens, key)
+        reg, ids, per_chunk = self._engine_driven_ids("PREPARE_RETRIEVE", key, block_ids,
+                                                      instance_id)
+        wire = self._profile.build_key(key, reg.worker_for(key))
+        prepared: PrepareRetrieveResponse = self._call("PREPARE_RETRIEVE", (wire, instance_id),
+                                                       timeout)
+        if not prepared.success:
+            return False
+        try:
+            slots = prepared.context.get("slots") or []
+            if len(slots) != len(ids) // per_chunk:
+                raise ProtocolMismatch(f"PREPARE_RETRIEVE returned {len(slots)} slots for "
+                                       f"{len(ids) // per_chunk} chunks")
+            skip_blocks = skip_first_n_tokens // reg.cache.geometry.block_size
+            layers = reg.cache.layers
+            g = reg.cache.geometry
+            for ci, slot in enumerate(slots):
+                scatter_chunk(self._slot(reg, slot), layers,
+                              ids[ci * per_chunk : (ci + 1) * per_chunk], g,
+                              skip_blocks=max(0, skip_blocks - ci * per_chunk))
+        finally:
+            # Always release the read locks, even if a copy failed.
+            self._call("COMMIT_RETRIEVE", (wire, instance_id), timeout)
+        return True
+
+
+def _check_skip(skip: int, key: CacheKey) -> None:
+    if not isinstance(skip, int) or isinstance(skip, bool) or not 0 <= skip <= key.end - key.start:
+        raise InvalidArgument(
+            f"skip_first_n_tokens must be an int in [0, {key.end - key.start}], got {skip!r}"
+        )
 
 
 def _key(key: CacheKey) -> CacheKey:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["Payload", "Operation", "Profile", "KeyBuilder"]
+__all__ = ["Payload", "Operation", "Profile", "KeyBuilder", "CpuShmWrapperBuilder"]
 
 Group = Literal["engine", "controller", "debug", "observability"]
 HandlerKind = Literal["sync", "blocking"]
@@ -91,6 +91,9 @@ class Operation:
 
 # Builds the profile's wire key from a public CacheKey and a worker id (None for LOOKUP).
 KeyBuilder = Callable[[Any, "int | None"], msgspec.Struct]
+# Serialises one CPU SHM layer for REGISTER_KV_CACHE in the family's wrapper format:
+# (shm_name, nbytes, dtype name, shape, stride) -> WrapperBlob.
+CpuShmWrapperBuilder = Callable[[str, int, str, "tuple[int, ...]", "tuple[int, ...]"], Any]
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class Profile:
     operations: Mapping[str, Operation]
     key_type: type[msgspec.Struct]
     build_key: KeyBuilder
+    wrap_cpu_shm: CpuShmWrapperBuilder
     # Behaviours the client must respect (documented per profile).
     notes: Mapping[str, str] = field(default_factory=dict)
 

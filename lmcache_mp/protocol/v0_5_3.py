@@ -58,6 +58,17 @@ def build_key(key: Any, worker_id: int | None) -> CacheKeyV053:
     )
 
 
+def wrap_cpu_shm(
+    shm_name: str, nbytes: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...]
+) -> WrapperBlob:
+    """0.5.3-0.5.5 carry a pickled ``CpuShmTensorWrapper``, emitted from its template."""
+    from ..pickle_emitter import emit_cpu_shm_wrapper
+
+    return WrapperBlob(emit_cpu_shm_wrapper(
+        shm_name=shm_name, nbytes=nbytes, dtype=dtype, shape=shape, stride=stride
+    ))
+
+
 KEY = Payload("key", CacheKeyV053)
 INSTANCE_ID = Payload("instance_id", WireInt)
 BLOCK_IDS = Payload("block_ids", list[list[BlockId]])
@@ -174,6 +185,7 @@ PROFILE = Profile(
     operations={op.name: op for op in _OPS},
     key_type=CacheKeyV053,
     build_key=build_key,
+    wrap_cpu_shm=wrap_cpu_shm,
     notes={
         "clear": "CLEAR takes no payload; the server always forces.",
         "cpu_layout": "CPU servers read 5-D vLLM tensors as HND whatever kv_layout says.",

@@ -1,0 +1,211 @@
+"""A paged KV cache in POSIX shared memory that the LMCache server can map.
+
+One segment per layer tensor (offset 0, ``nbytes = numel * itemsize``), exposed as
+numpy arrays and, when torch is installed, as torch tensors over the same memory.
+
+Layout: CPU servers up to 0.5.4 read vLLM-style 5-D per-layer tensors as HND whatever
+``kv_layout`` hint is sent, so the cache is HND, ``[2, num_blocks, num_heads,
+block_size, head_dim]``, and registration says so explicitly. MLA caches have one
+plane, ``[num_blocks, block_size, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgument
+from .shm import ShmSegment
+
+__all__ = ["CpuKVCache", "KVGeometry", "STORAGE_DTYPES"]
+
+# torch dtype name -> (numpy dtype that holds the same bytes, itemsize). numpy has no
+# bfloat16 or float8: their layers are exposed as raw unsigned ints of the same width
+# (use .torch_layers for typed access).
+STORAGE_DTYPES: dict[str, tuple[Any, int]] = {
+    "float16": (np.float16, 2),
+    "bfloat16": (np.uint16, 2),
+    "float32": (np.float32, 4),
+    "float64": (np.float64, 8),
+    "float8_e4m3fn": (np.uint8, 1),
+    "float8_e5m2": (np.uint8, 1),
+    "int8": (np.int8, 1),
+    "uint8": (np.uint8, 1),
+    "int16": (np.int16, 2),
+    "int32": (np.int32, 4),
+}
+
+
+def _positive(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of a paged KV cache, as the server will see it."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_dim: int
+    dtype: str
+    mla: bool
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        if self.mla:
+            return (self.num_blocks, self.block_size, self.head_dim)
+        return (2, self.num_blocks, self.num_heads, self.block_size, self.head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return STORAGE_DTYPES[self.dtype][1]
+
+    @property
+    def layer_nbytes(self) -> int:
+        return int(np.prod(self.layer_shape)) * self.itemsize
+
+    @property
+    def layer_strides(self) -> tuple[int, ...]:
+        """Contiguous strides in elements, as torch reports them."""
+        strides, acc = [], 1
+        for d in reversed(self.layer_shape):
+            strides.append(acc)
+            acc *= d
+        return tuple(reversed(strides))
+
+    @property
+    def hidden_dim(self) -> int:
+        """Elements per token per plane: ``num_heads * head_dim`` (MLA: ``head_dim``)."""
+        return self.head_dim if self.mla else self.num_heads * self.head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        return 1 if self.mla else 2
+
+
+def _release(segments: Sequence[ShmSegment]) -> None:
+    for seg in segments:
+        seg.close()
+
+
+class CpuKVCache:
+    """Per-layer KV tensors in POSIX shared memory. Close it (or use ``with``); names
+    are also unlinked at interpreter exit or when the cache is garbage-collected."""
+
+    def __init__(self, geometry: KVGeometry, segments: list[ShmSegment]) -> None:
+        self.geometry = geometry
+        self._segments = segments
+        np_dtype = STORAGE_DTYPES[geometry.dtype][0]
+        count = int(np.prod(geometry.layer_shape))
+        self.layers: list[np.ndarray] = [
+            np.frombuffer(seg.buffer, dtype=np_dtype, count=count).reshape(geometry.layer_shape)
+            for seg in segments
+        ]
+        self._torch_layers: list[Any] | None = None
+        self._finalizer = weakref.finalize(self, _release, list(segments))
+
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: str = "bfloat16",
+        mla: bool = False,
+    ) -> CpuKVCache:
+        """Allocate ``num_layers`` zero-filled layer tensors in shared memory."""
+        if dtype not in STORAGE_DTYPES:
+            raise InvalidArgument(
+                f"dtype {dtype!r} is not supported; use one of {', '.join(STORAGE_DTYPES)}"
+            )
+        geometry = KVGeometry(
+            _positive("num_layers", num_layers),
+            _positive("num_blocks", num_blocks),
+            _positive("block_size", block_size),
+            _positive("num_heads", num_heads),
+            _positive("head_dim", head_dim),
+            dtype,
+            bool(mla),
+        )
+        if mla and num_heads != 1:
+            raise InvalidArgument("an MLA cache has one latent head: pass num_heads=1")
+        segments: list[ShmSegment] = []
+        try:
+            for i in range(num_layers):
+                segments.append(ShmSegment.create(geometry.layer_nbytes, tag=f"L{i}"))
+        except BaseException:
+            _release(segments)
+            raise
+        return cls(geometry, segments)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def torch_layers(self) -> list[Any]:
+        """The layers as torch tensors over the same memory (needs torch)."""
+        if self._torch_layers is None:
+            try:
+                import torch
+            except ImportError:
+                raise InvalidArgument(
+                    "torch is not installed: use .layers (numpy), or install torch"
+                ) from None
+            tdtype = getattr(torch, self.geometry.dtype)
+            self._torch_layers = [
+                torch.frombuffer(seg.buffer, dtype=tdtype).view(self.geometry.layer_shape)
+                for seg in self._segments
+            ]
+        return self._torch_layers
+
+    @property
+    def segment_names(self) -> list[str]:
+        """POSIX names (with the leading slash) the server will shm_open."""
+        return [seg.posix_name for seg in self._segments]
+
+    @property
+    def unlinked(self) -> bool:
+        return any(seg.unlinked for seg in self._segments)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def block_bytes(self, layer: int, block: int) -> bytes:
+        """All bytes of one block of one layer (K and V), for checks and tests."""
+        arr = self.layers[layer]
+        return (arr[block] if self.geometry.mla else arr[:, block]).tobytes()
+
+    # -------------------------------------------------------------- lifetime
+    def unlink(self) -> None:
+        """Remove the segment names (the memory stays mapped here). Done on unregister:
+        the server keeps its own mapping, and no other process can open them."""
+        for seg in self._segments:
+            seg.unlink()
+
+    def close(self) -> None:
+        """Unlink and unmap. Views handed out earlier keep their memory alive."""
+        self.layers = []
+        self._torch_layers = None
+        self._finalizer()
+
+    def __enter__(self) -> CpuKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        state = "closed" if self.closed else "open"
+        return (f"<CpuKVCache {g.num_layers} x {g.layer_shape} {g.dtype}"
+                f"{' MLA' if g.mla else ''} {state}>")
