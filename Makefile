@@ -8,6 +8,9 @@ VENV := .venv
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --disable-pip-version-check --upgrade pip
+	# torch first and pinned (a CPU build on local disk): it enables the torch views of
+	# CpuKVCache in the tests; a bare torch requirement would pull a multi-GB CUDA build.
+	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from .errors import InvalidArgument, ProtocolMismatch, RequestTimeout
 from .futures import ReplyFuture
+from .ipc.base import ExportableKVCache
 from .ipc.cpu_cache import STORAGE_DTYPES, CpuKVCache
 from .ipc.paged_copy import gather_chunk, scatter_chunk
 from .ipc.shm import map_existing
@@ -21,7 +22,6 @@ from .protocol.operations import Operation
 from .protocol.types import (
     BlockAllocationRecord,
     EngineGroupInfo,
-    LayoutHints,
     PrepareRetrieveResponse,
     PrepareStoreResponse,
     RegisterEngineDrivenContextPayload,
@@ -312,7 +312,7 @@ class Client:
     # ----------------------------------------------- data plane: registration
     def register_kv_cache(
         self,
-        kv_cache: CpuKVCache,
+        kv_cache: ExportableKVCache,
         *,
         instance_id: int,
         model_name: str,
@@ -332,15 +332,11 @@ class Client:
         """
         reg = self._new_registration("lmcache_driven", kv_cache, instance_id, model_name,
                                      world_size, worker_id, engine_group_infos, timeout)
-        g = kv_cache.geometry
-        blobs = [
-            self._profile.wrap_cpu_shm(name, g.layer_nbytes, g.dtype, g.layer_shape, g.layer_strides)
-            for name in kv_cache.segment_names
-        ]
-        hints = LayoutHints() if g.mla else LayoutHints(kv_layout="HND")
+        blobs = kv_cache.ipc_wrappers(self._profile)
         self._call(
             "REGISTER_KV_CACHE",
-            (instance_id, blobs, model_name, world_size, "vllm", hints, list(reg.groups)),
+            (instance_id, blobs, model_name, world_size, "vllm", kv_cache.layout_hints(),
+             list(reg.groups)),
             timeout,
         )
         self._registrations[instance_id] = reg
@@ -359,7 +355,7 @@ class Client:
     def _new_registration(
         self,
         mode: Literal["lmcache_driven", "engine_driven"],
-        kv_cache: CpuKVCache,
+        kv_cache: ExportableKVCache,
         instance_id: int,
         model_name: str,
         world_size: int,
@@ -367,10 +363,14 @@ class Client:
         engine_group_infos: Sequence[EngineGroupInfo] | None,
         timeout: float | None,
     ) -> Registration:
-        if not isinstance(kv_cache, CpuKVCache):
+        if not isinstance(kv_cache, ExportableKVCache):
             raise InvalidArgument(
-                f"kv_cache must be a lmcache_mp.CpuKVCache, got {type(kv_cache).__name__}"
+                f"kv_cache must be a lmcache_mp.CpuKVCache (or a CUDA cache from "
+                f"lmcache_mp.ipc.cuda), got {type(kv_cache).__name__}"
             )
+        if mode == "engine_driven" and not isinstance(kv_cache, CpuKVCache):
+            raise InvalidArgument("engine-driven transfers copy through host memory: "
+                                  "register a CpuKVCache")
         if kv_cache.closed or kv_cache.unlinked:
             raise InvalidArgument(
                 "this KV cache was closed or unregistered (its shared-memory names are gone); "
@@ -422,14 +422,24 @@ class Client:
         instance_id: int,
         extra: tuple[Any, ...],
         timeout: float | None,
+        stream: Any,
     ) -> ReplyFuture[bool]:
         reg = self._registration(instance_id, "lmcache_driven", op_name)
         reg.check_key(key, op_name)
         groups = normalize_block_ids(block_ids, key, reg, op_name)
         wire = self._profile.build_key(key, reg.worker_for(key))
-        # The event handle orders GPU copies; a CPU server ignores it (b"").
-        op, pending = self._submit(op_name, (wire, instance_id, groups, b"", *extra), timeout)
-        return ReplyFuture(self._transport, pending, lambda frames: bool(decode_reply(op, frames)[1]))
+        cache = reg.cache
+        # The event handle orders the server's copy after the caller's stream (CUDA);
+        # the token (the event) must live until the reply. A CPU server ignores it.
+        event, token = cache.begin_transfer(stream)
+        op, pending = self._submit(op_name, (wire, instance_id, groups, event, *extra), timeout)
+
+        def finish(frames: list[bytes]) -> bool:
+            server_event, ok = decode_reply(op, frames)
+            cache.end_transfer(server_event, stream, token)
+            return bool(ok)
+
+        return ReplyFuture(self._transport, pending, finish)
 
     def store_async(
         self,
@@ -438,8 +448,9 @@ class Client:
         *,
         instance_id: int,
         timeout: float | None = None,
+        stream: Any = None,
     ) -> ReplyFuture[bool]:
-        return self._transfer("STORE", key, block_ids, instance_id, (), timeout)
+        return self._transfer("STORE", key, block_ids, instance_id, (), timeout, stream)
 
     def store(
         self,
@@ -448,11 +459,15 @@ class Client:
         *,
         instance_id: int,
         timeout: float | None = None,
+        stream: Any = None,
     ) -> bool:
         """STORE tokens ``[key.start, key.end)`` held in ``block_ids`` (one id per block of
         the range, in order). True when stored (chunks already cached count as stored);
-        the chunks become visible to LOOKUP shortly after (see :meth:`wait_for_lookup`)."""
-        return self.store_async(key, block_ids, instance_id=instance_id, timeout=timeout).result()
+        the chunks become visible to LOOKUP shortly after (see :meth:`wait_for_lookup`).
+        ``stream`` (CUDA caches): the server's copy starts after work queued on it, and
+        it is made to wait for the copy before the blocks may be overwritten."""
+        return self.store_async(key, block_ids, instance_id=instance_id, timeout=timeout,
+                                stream=stream).result()
 
     def retrieve_async(
         self,
@@ -462,10 +477,11 @@ class Client:
         instance_id: int,
         skip_first_n_tokens: int = 0,
         timeout: float | None = None,
+        stream: Any = None,
     ) -> ReplyFuture[bool]:
         _check_skip(skip_first_n_tokens, key)
         return self._transfer("RETRIEVE", key, block_ids, instance_id, (skip_first_n_tokens,),
-                              timeout)
+                              timeout, stream)
 
     def retrieve(
         self,
@@ -475,14 +491,16 @@ class Client:
         instance_id: int,
         skip_first_n_tokens: int = 0,
         timeout: float | None = None,
+        stream: Any = None,
     ) -> bool:
         """RETRIEVE tokens ``[key.start, key.end)`` into ``block_ids``. Needs a LOOKUP hit
         covering the range first (its read locks are released by the retrieve); False
         when any chunk is missing or unlocked. ``skip_first_n_tokens`` (relative to
-        ``start``, rounded down to whole blocks) leaves leading blocks untouched."""
+        ``start``, rounded down to whole blocks) leaves leading blocks untouched.
+        ``stream`` (CUDA caches): made to wait for the server's copy before reading."""
         return self.retrieve_async(key, block_ids, instance_id=instance_id,
                                    skip_first_n_tokens=skip_first_n_tokens,
-                                   timeout=timeout).result()
+                                   timeout=timeout, stream=stream).result()
 
     # ------------------------------------------- data plane: engine-driven mode
     def register_kv_cache_engine_driven(
@@ -594,8 +612,9 @@ class Client:
         if len(slots) != len(chunk_indices):
             raise ProtocolMismatch(f"PREPARE_STORE returned {len(slots)} slots for "
                                    f"{len(chunk_indices)} chunk indices")
-        layers = reg.cache.layers
-        g = reg.cache.geometry
+        cache = reg.cache
+        assert isinstance(cache, CpuKVCache)  # enforced at engine-driven registration
+        layers, g = cache.layers, cache.geometry
         for slot, ci in zip(slots, chunk_indices, strict=True):
             target = self._slot(reg, slot)
             gather_chunk(layers, ids[int(ci) * per_chunk : (int(ci) + 1) * per_chunk], target, g)
@@ -626,8 +645,9 @@ class Client:
                 raise ProtocolMismatch(f"PREPARE_RETRIEVE returned {len(slots)} slots for "
                                        f"{len(ids) // per_chunk} chunks")
             skip_blocks = skip_first_n_tokens // reg.cache.geometry.block_size
-            layers = reg.cache.layers
-            g = reg.cache.geometry
+            cache = reg.cache
+            assert isinstance(cache, CpuKVCache)  # enforced at engine-driven registration
+            layers, g = cache.layers, cache.geometry
             for ci, slot in enumerate(slots):
                 scatter_chunk(self._slot(reg, slot), layers,
                               ids[ci * per_chunk : (ci + 1) * per_chunk], g,

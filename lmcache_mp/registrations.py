@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 
 from .errors import InvalidArgument
-from .ipc.cpu_cache import CpuKVCache
+from .ipc.base import ExportableKVCache
 from .keys import CacheKey
 from .protocol.types import EngineGroupInfo
 
@@ -25,7 +25,7 @@ class Registration:
 
     mode: Literal["lmcache_driven", "engine_driven"]
     instance_id: int
-    cache: CpuKVCache
+    cache: ExportableKVCache
     model_name: str
     world_size: int
     worker_id: int

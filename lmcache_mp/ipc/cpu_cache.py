@@ -14,12 +14,16 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..protocol.types import LayoutHints, WrapperBlob
 from .shm import ShmSegment
+
+if TYPE_CHECKING:
+    from ..protocol.operations import Profile
 
 __all__ = ["CpuKVCache", "KVGeometry", "STORAGE_DTYPES"]
 
@@ -179,6 +183,26 @@ class CpuKVCache:
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive
+
+    # ------------------------------------------------- ExportableKVCache
+    def ipc_wrappers(self, profile: Profile) -> list[WrapperBlob]:
+        g = self.geometry
+        return [
+            profile.wrap_cpu_shm(name, g.layer_nbytes, g.dtype, g.layer_shape, g.layer_strides)
+            for name in self.segment_names
+        ]
+
+    def layout_hints(self) -> LayoutHints:
+        # Say HND explicitly: CPU servers up to 0.5.4 assume it anyway, later ones
+        # honour the hint. MLA layers have no head axis to order.
+        return LayoutHints() if self.geometry.mla else LayoutHints(kv_layout="HND")
+
+    def begin_transfer(self, stream: Any) -> tuple[bytes, Any]:
+        # A CPU server ignores the event handle and copies synchronously.
+        return b"", None
+
+    def end_transfer(self, server_event: bytes, stream: Any, token: Any) -> None:
+        return None
 
     def block_bytes(self, layer: int, block: int) -> bytes:
         """All bytes of one block of one layer (K and V), for checks and tests."""

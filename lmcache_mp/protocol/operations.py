@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["Payload", "Operation", "Profile", "KeyBuilder", "CpuShmWrapperBuilder"]
+__all__ = ["Payload", "Operation", "Profile", "KeyBuilder", "CpuShmWrapperBuilder",
+           "CudaWrapperBuilder"]
 
 Group = Literal["engine", "controller", "debug", "observability"]
 HandlerKind = Literal["sync", "blocking"]
@@ -94,6 +95,9 @@ KeyBuilder = Callable[[Any, "int | None"], msgspec.Struct]
 # Serialises one CPU SHM layer for REGISTER_KV_CACHE in the family's wrapper format:
 # (shm_name, nbytes, dtype name, shape, stride) -> WrapperBlob.
 CpuShmWrapperBuilder = Callable[[str, int, str, "tuple[int, ...]", "tuple[int, ...]"], Any]
+# Serialises one CUDA layer allocation: (64-byte cudaIpcMemHandle, nbytes, dtype name,
+# shape, stride, device uuid) -> WrapperBlob.
+CudaWrapperBuilder = Callable[[bytes, int, str, "tuple[int, ...]", "tuple[int, ...]", str], Any]
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class Profile:
     key_type: type[msgspec.Struct]
     build_key: KeyBuilder
     wrap_cpu_shm: CpuShmWrapperBuilder
+    wrap_cuda: CudaWrapperBuilder
     # Behaviours the client must respect (documented per profile).
     notes: Mapping[str, str] = field(default_factory=dict)
 

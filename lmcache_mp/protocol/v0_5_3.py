@@ -69,6 +69,24 @@ def wrap_cpu_shm(
     ))
 
 
+def wrap_cuda(
+    ipc_handle: bytes,
+    nbytes: int,
+    dtype: str,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    device_uuid: str,
+) -> WrapperBlob:
+    """A pickled ``RawCudaIPCWrapper``: a bare 64-byte ``cudaIpcMemHandle_t`` of an
+    allocation base, no offset (the server needs cupy to open it)."""
+    from ..pickle_emitter import emit_raw_cuda_wrapper
+
+    return WrapperBlob(emit_raw_cuda_wrapper(
+        ipc_handle=ipc_handle, nbytes=nbytes, dtype=dtype, shape=shape, stride=stride,
+        device_uuid=device_uuid,
+    ))
+
+
 KEY = Payload("key", CacheKeyV053)
 INSTANCE_ID = Payload("instance_id", WireInt)
 BLOCK_IDS = Payload("block_ids", list[list[BlockId]])
@@ -186,6 +204,7 @@ PROFILE = Profile(
     key_type=CacheKeyV053,
     build_key=build_key,
     wrap_cpu_shm=wrap_cpu_shm,
+    wrap_cuda=wrap_cuda,
     notes={
         "clear": "CLEAR takes no payload; the server always forces.",
         "cpu_layout": "CPU servers read 5-D vLLM tensors as HND whatever kv_layout says.",
