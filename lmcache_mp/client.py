@@ -37,6 +37,19 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT = 5.0
 
 
+def kv_readers(tp_size: int, world_size: int) -> int:
+    """Read locks per looked-up chunk: how many workers will retrieve it.
+
+    0.5.3's server derives it from LOOKUP's ``tp_size`` payload (extra readers when
+    MLA replicates KV over more TP ranks than KV shards); 0.5.5+ keys carry it as
+    ``num_kv_readers``. Same rule both ways, so ``tp_size`` means the same everywhere.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise InvalidArgument(f"tp_size must be a positive int, got {tp_size!r}")
+    tp = tp_size if tp_size > 1 else world_size
+    return 1 + (tp - 1 if tp > world_size else 0)
+
+
 def _check_timeout(timeout: float, what: str = "timeout") -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise InvalidArgument(f"{what} must be a positive number of seconds, got {timeout!r}")
@@ -172,7 +185,7 @@ class Client:
     def submit_lookup_async(
         self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None
     ) -> ReplyFuture[None]:
-        wire = self._profile.build_key(_key(key), None)
+        wire = self._profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
         return self._request("LOOKUP", (wire, tp_size), timeout)
 
     def submit_lookup(self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None) -> None:
@@ -184,7 +197,7 @@ class Client:
         a RETRIEVE or :meth:`free_lookup_locks` releases them (or a 300 s TTL).
         ``tp_size`` adds readers for MLA; send the same value to free_lookup_locks.
         """
-        wire = self._profile.build_key(_key(key), None)
+        wire = self._profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
         self._call("LOOKUP", (wire, tp_size), timeout)
 
     def query_prefetch_status_async(
@@ -239,7 +252,7 @@ class Client:
     def free_lookup_locks_async(
         self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None
     ) -> ReplyFuture[None]:
-        wire = self._profile.build_key(_key(key), None)
+        wire = self._profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
         return self._request("FREE_LOOKUP_LOCKS", (wire, tp_size), timeout)
 
     def free_lookup_locks(
@@ -247,7 +260,7 @@ class Client:
     ) -> None:
         """Release the read locks a LOOKUP took on chunks in ``[key.start, key.end)``
         that will not be retrieved (all ranks). Use the LOOKUP's ``tp_size``."""
-        wire = self._profile.build_key(_key(key), None)
+        wire = self._profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
         self._call("FREE_LOOKUP_LOCKS", (wire, tp_size), timeout)
 
     def end_session_async(
@@ -427,7 +440,7 @@ class Client:
         reg = self._registration(instance_id, "lmcache_driven", op_name)
         reg.check_key(key, op_name)
         groups = normalize_block_ids(block_ids, key, reg, op_name)
-        wire = self._profile.build_key(key, reg.worker_for(key))
+        wire = self._profile.build_key(key, reg.worker_for(key), 1)
         cache = reg.cache
         # The event handle orders the server's copy after the caller's stream (CUDA);
         # the token (the event) must live until the reply. A CPU server ignores it.
@@ -603,7 +616,7 @@ class Client:
         """PREPARE_STORE, copy the blocks into the reserved pool slots, COMMIT_STORE.
         Chunks already cached are skipped (True without a commit)."""
         reg, ids, per_chunk = self._engine_driven_ids("PREPARE_STORE", key, block_ids, instance_id)
-        wire = self._profile.build_key(key, reg.worker_for(key))
+        wire = self._profile.build_key(key, reg.worker_for(key), 1)
         prepared: PrepareStoreResponse = self._call("PREPARE_STORE", (wire, instance_id), timeout)
         slots = prepared.context.get("slots") or []
         chunk_indices = prepared.context.get("chunk_indices") or []
@@ -634,7 +647,7 @@ class Client:
         _check_skip(skip_first_n_tokens, key)
         reg, ids, per_chunk = self._engine_driven_ids("PREPARE_RETRIEVE", key, block_ids,
                                                       instance_id)
-        wire = self._profile.build_key(key, reg.worker_for(key))
+        wire = self._profile.build_key(key, reg.worker_for(key), 1)
         prepared: PrepareRetrieveResponse = self._call("PREPARE_RETRIEVE", (wire, instance_id),
                                                        timeout)
         if not prepared.success:

@@ -50,7 +50,9 @@ __all__ = [
 
 #: Templates shipped in ``lmcache_mp/pickle_templates`` (file stem = name). A fixed list,
 #: so a template name from a caller can never become a path.
-TEMPLATE_NAMES: tuple[str, ...] = ("v0_5_3_cpu_shm", "v0_5_3_raw_cuda", "v0_5_3_cuda_ipc")
+TEMPLATE_NAMES: tuple[str, ...] = (
+    "v0_5_3_cpu_shm", "v0_5_3_raw_cuda", "v0_5_3_cuda_ipc", "v0_5_5_raw_cuda",
+)
 
 #: Canonical ``torch.<name>`` dtype names we write. These are the names
 #: ``torch.dtype.__reduce__`` returns, i.e. what ``pickle.dumps`` writes for the dtype.

@@ -1,4 +1,8 @@
-"""Rebuild tagged fixture values (see tools/gen_fixtures.py) as lmcache_mp types."""
+"""Rebuild tagged fixture values (see tools/gen_fixtures.py) as lmcache_mp values.
+
+Map-like values are converted with the operation's own payload type, so each family's
+schema (0.5.3 keys, 0.5.5 keys with num_kv_readers, ...) is what the fixture is read as.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lmcache_mp.protocol.types import (
-    BlockAllocationRecord,
-    EngineGroupInfo,
-    LayoutHints,
-    RegisterEngineDrivenContextPayload,
-    WrapperBlob,
-)
+import msgspec
+
+from lmcache_mp.protocol import get_profile
+from lmcache_mp.protocol.types import WrapperBlob
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+# Every release with fixtures, and the profile that must speak it.
+RELEASES = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}
 
 
 def load(version: str, name: str) -> list[dict[str, Any]]:
@@ -23,15 +26,22 @@ def load(version: str, name: str) -> list[dict[str, Any]]:
     return cases
 
 
-def build(value: Any, key_type: Any) -> Any:
-    """A fixture payload as the value lmcache_mp's codec takes."""
-    if isinstance(value, list):
-        return [build(v, key_type) for v in value]
+def load_all(name: str) -> list[tuple[str, dict[str, Any]]]:
+    """(release, case) for every release that has this fixture file."""
+    return [(rel, case) for rel in RELEASES
+            if (FIXTURES / f"v{rel}" / f"{name}.json").exists()
+            for case in load(rel, name)]
+
+
+def profile_for(release: str) -> Any:
+    return get_profile(RELEASES[release])
+
+
+def build(value: Any, tp: Any) -> Any:
+    """A fixture payload as the value lmcache_mp's codec takes for payload type ``tp``."""
     if not isinstance(value, dict):
         return value
     (tag, inner), = value.items()
-    if tag == "$key":
-        return key_type(**{**inner, "token_ids": tuple(inner["token_ids"])})
     if tag == "$bytes":
         return bytes.fromhex(inner)
     if tag == "$float":
@@ -40,16 +50,22 @@ def build(value: Any, key_type: Any) -> Any:
         return inner
     if tag == "$wrappers":
         return [WrapperBlob(bytes.fromhex(h)) for h in inner]
-    if tag == "$hints":
-        return LayoutHints(**inner)
-    if tag == "$groups":
-        return [EngineGroupInfo(**{**g, "layer_indices": tuple(g["layer_indices"])}) for g in inner]
-    if tag == "$records":
-        return [BlockAllocationRecord(**r) for r in inner]
-    if tag == "$engine_driven":
-        return RegisterEngineDrivenContextPayload(**inner)
+    if tag in ("$key", "$hints", "$groups", "$records", "$engine_driven"):
+        return msgspec.convert(inner, tp)
+    raise ValueError(f"unknown fixture tag {tag}")
+
+
+def build_reply(value: Any) -> Any:
+    """A fixture reply value as plain data, for comparison with a decoded reply."""
+    if isinstance(value, list):
+        return [build_reply(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    (tag, inner), = value.items()
+    if tag == "$bytes":
+        return bytes.fromhex(inner)
     if tag == "$json":
         return inner
     if tag == "$struct":
-        return {k: build(v, key_type) for k, v in inner.items()}
-    raise ValueError(f"unknown fixture tag {tag}")
+        return {k: build_reply(v) for k, v in inner.items()}
+    raise ValueError(f"unknown reply tag {tag}")

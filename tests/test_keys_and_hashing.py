@@ -118,5 +118,5 @@ def test_wire_key_has_exactly_the_eight_0_5_3_fields_in_order() -> None:
         "model_name", "world_size", "worker_id", "token_ids", "start", "end", "request_id",
         "cache_salt",
     )
-    wire = profile.build_key(make(), None)
+    wire = profile.build_key(make(), None, 1)
     assert wire.worker_id is None  # type: ignore[attr-defined]

@@ -171,7 +171,7 @@ def test_server_killed_mid_call_raises_within_deadline(private_server: LiveServe
         # STORE for an instance nobody registered gets no reply: the call is in flight.
         key = CacheKey(model_name="m", world_size=1, worker_id=0, token_ids=list(range(256)),
                        start=0, end=256, request_id=rid())
-        wire = c.profile.build_key(key, 0)
+        wire = c.profile.build_key(key, 0, 1)
         future = c._request("STORE", (wire, 424242, [list(range(16))], b""), 3.0)
         time.sleep(0.2)
         os.kill(private_server.pid, signal.SIGKILL)

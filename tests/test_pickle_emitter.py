@@ -42,6 +42,7 @@ CLASSES = {
     "v0_5_3_cpu_shm": ("lmcache.v1.platform.cpu.shm", "CpuShmTensorWrapper"),
     "v0_5_3_raw_cuda": ("lmcache.v1.platform.cuda.ipc_wrapper", "RawCudaIPCWrapper"),
     "v0_5_3_cuda_ipc": ("lmcache.v1.platform.cuda.ipc_wrapper", "CudaIPCWrapper"),
+    "v0_5_5_raw_cuda": ("lmcache.v1.platform.cuda.ipc_wrapper", "RawCudaIPCWrapper"),
 }
 
 
@@ -78,7 +79,9 @@ def test_fixtures_cover_enough() -> None:
     assert FIXTURE["meta"]["lmcache"] == "0.5.3"
     assert FIXTURE["meta"]["pickle_protocol"] == 4
     assert len(CASES) >= 60
-    assert {c["template"] for c in CASES} == set(TEMPLATE_NAMES)
+    # v0_5_5_raw_cuda's fixtures come from the 0.5.5 oracle (fixtures/v0.5.5/wrappers.json,
+    # tests/test_codec_fixtures.py).
+    assert {c["template"] for c in CASES} == set(TEMPLATE_NAMES) - {"v0_5_5_raw_cuda"}
     assert {c["fields"]["dtype"] for c in CASES} == TORCH_DTYPES
     assert {len(c["fields"]["shape"]) for c in CASES} >= set(range(0, 9))
 
@@ -289,13 +292,16 @@ def test_templates_ship_and_match_the_lmcache_init_order() -> None:
                             "stride", "storage_offset", "device_uuid"],
         "v0_5_3_cuda_ipc": ["handle", "dtype", "shape", "stride", "storage_offset",
                             "device_uuid"],
+        "v0_5_5_raw_cuda": ["_ipc_handle_reserved", "_alloc_offset", "_nbytes", "handle",
+                            "dtype", "shape", "stride", "storage_offset", "_opens",
+                            "device_uuid"],
     }
     for name in TEMPLATE_NAMES:
         t = load_template(name)
         assert (t.module, t.qualname) == CLASSES[name]
         assert [f.name for f in t.fields] == order[name]
         assert all(f.description for f in t.fields)
-        assert "0.5.3" in t.lmcache_versions
+        assert name[1:6].replace("_", ".") in t.lmcache_versions
 
 
 def test_emitter_imports_neither_lmcache_nor_torch() -> None:

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Write byte fixtures with LMCache's OWN encoder and hasher (run in the oracle venv).
+"""Write byte fixtures with LMCache's OWN encoder and hasher (run in an oracle venv).
 
-    scripts/lmcache-server.sh python -- tools/gen_fixtures.py [--out fixtures]
+    scripts/lmcache-server.sh python --version V -- tools/gen_fixtures.py [--out fixtures]
+
+Works with LMCache 0.5.3, 0.5.4, 0.5.5 and 0.5.6 (0.5.6 has no RequestType enum: its
+ops are method names with a frozen table of legacy ids); writes fixtures/v<V>/.
 
 For every operation of the engine, controller, debug and observability groups it
 encodes several representative payloads with ``lmcache.v1.multiprocess.mq.msgspec_encode``
@@ -20,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import random
 from pathlib import Path
+from importlib.metadata import version as dist_version
 from typing import Any
 
-import lmcache
 import msgspec
 import torch
 from lmcache.utils import EngineType
@@ -36,16 +38,64 @@ from lmcache.v1.multiprocess.custom_types import (
     RegisterEngineDrivenContextPayload,
 )
 from lmcache.v1.multiprocess.group_view import EngineGroupInfo
-from lmcache.v1.multiprocess.mq import msgspec_encode
-from lmcache.v1.multiprocess.protocol import get_payload_classes, get_response_class
-from lmcache.v1.multiprocess.protocols.base import RequestType
-from lmcache.v1.multiprocess.protocols.engine import (
-    PrepareRetrieveResponse,
-    PrepareStoreResponse,
-    RegisterEngineDrivenContextResponse,
-)
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
-from lmcache.v1.platform.cpu.shm import CpuShmTensorWrapper
+
+VERSION = dist_version("lmcache")
+FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}[VERSION]
+
+if FAMILY == "0.5.6":
+    # 0.5.6: no RequestType enum; ops are method names with frozen legacy ids.
+    from lmcache.v1.multiprocess.custom_types import (
+        PrepareRetrieveResponse,
+        PrepareStoreResponse,
+        RegisterEngineDrivenContextResponse,
+    )
+    from lmcache.v1.multiprocess.rpc import get_rpc_spec
+    from lmcache.v1.multiprocess.transport.zmq_impl.mq import msgspec_encode
+    from lmcache.v1.multiprocess.transport.zmq_impl.wire import (
+        LEGACY_OPERATION_IDS,
+        encode_operation,
+    )
+    from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
+    from lmcache.v1.platform.devices.cpu.shm import CpuShmTensorWrapper
+    from lmcache.v1.platform.devices.cuda.ipc_wrapper import RawCudaIPCWrapper
+
+    def payload_classes(op: str) -> list[Any]:
+        return list(get_rpc_spec(op.lower()).payload_types)
+
+    def response_class(op: str) -> Any:
+        rt = get_rpc_spec(op.lower()).response_type
+        return None if rt is type(None) else rt
+
+    def type_frame(op: str) -> bytes:
+        return encode_operation(op.lower())
+
+    def op_id(op: str) -> int:
+        return LEGACY_OPERATION_IDS[op.lower()]
+else:
+    from lmcache.v1.multiprocess.mq import msgspec_encode
+    from lmcache.v1.multiprocess.protocol import get_payload_classes, get_response_class
+    from lmcache.v1.multiprocess.protocols.base import RequestType
+    from lmcache.v1.multiprocess.protocols.engine import (
+        PrepareRetrieveResponse,
+        PrepareStoreResponse,
+        RegisterEngineDrivenContextResponse,
+    )
+    from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
+    from lmcache.v1.platform.cpu.shm import CpuShmTensorWrapper
+    from lmcache.v1.platform.cuda.ipc_wrapper import RawCudaIPCWrapper
+
+    def payload_classes(op: str) -> list[Any]:
+        return list(get_payload_classes(RequestType[op]))
+
+    def response_class(op: str) -> Any:
+        return get_response_class(RequestType[op])
+
+    def type_frame(op: str) -> bytes:
+        return msgspec_encode(RequestType[op], RequestType)
+
+    def op_id(op: str) -> int:
+        return int(RequestType[op].value)
 
 GROUPS = {
     "engine": [
@@ -67,12 +117,16 @@ rng = random.Random(20261130)
 # ---------------------------------------------------------------- value tagging
 def tag(value: Any) -> Any:
     if isinstance(value, IPCCacheServerKey):
-        return {"$key": {
+        fields = {
             "model_name": value.model_name, "world_size": value.world_size,
             "worker_id": value.worker_id, "token_ids": list(value.token_ids),
             "start": value.start, "end": value.end, "request_id": value.request_id,
             "cache_salt": value.cache_salt,
-        }}
+        }
+        if FAMILY != "0.5.3":
+            fields["request_configs"] = value.request_configs
+            fields["num_kv_readers"] = value.num_kv_readers
+        return {"$key": fields}
     if isinstance(value, bytes):
         return {"$bytes": value.hex()}
     if isinstance(value, float):
@@ -81,8 +135,9 @@ def tag(value: Any) -> Any:
         return {"$engine": value.value}
     if isinstance(value, RegisterEngineDrivenContextPayload):
         return {"$engine_driven": msgspec.to_builtins(value)}
-    if isinstance(value, list) and value and isinstance(value[0], CpuShmTensorWrapper):
-        return {"$wrappers": [pickle.dumps(w).hex() for w in value]}
+    if isinstance(value, list) and value and isinstance(value[0], DeviceIPCWrapper):
+        # The release's own serialiser: a pickle up to 0.5.5, a descriptor in 0.5.6.
+        return {"$wrappers": [DeviceIPCWrapper.Serialize(w).hex() for w in value]}
     if isinstance(value, list) and value and isinstance(value[0], EngineGroupInfo):
         return {"$groups": [msgspec.to_builtins(g) for g in value]}
     if isinstance(value, list) and value and isinstance(value[0], BlockAllocationRecord):
@@ -106,10 +161,14 @@ def tag(value: Any) -> Any:
 # ------------------------------------------------------------- representative values
 def key(tokens: list[int], *, worker_id: int | None = 0, start: int = 0, end: int | None = None,
         model: str = "m", world_size: int = 1, request_id: str = "r", salt: str = "") -> IPCCacheServerKey:
+    extra: dict[str, Any] = {}
+    if FAMILY != "0.5.3":
+        # What LMCache's own adapter sends: one reader, or more for MLA over TP.
+        extra["num_kv_readers"] = 1 + (world_size > 1 and worker_id is None)
     return IPCCacheServerKey(
         model_name=model, world_size=world_size, worker_id=worker_id, token_ids=tuple(tokens),
         start=start, end=len(tokens) if end is None else end, request_id=request_id,
-        cache_salt=salt,
+        cache_salt=salt, **extra,
     )
 
 
@@ -201,6 +260,8 @@ def payload_sets(op: str) -> list[list[Any]]:
         return [[k, INSTANCES[i % 5]] for i, k in enumerate(wkeys)]
     if op == "COMMIT_STORE":
         return [[k, INSTANCES[i % 5], EVENTS[i % 4]] for i, k in enumerate(wkeys)]
+    if op == "CLEAR" and FAMILY == "0.5.6":
+        return [[True], [False]]
     if op in ("CLEAR", "GET_CHUNK_SIZE", "GET_EXPERIMENTAL", "NOOP"):
         return [[]]
     if op == "PING":
@@ -217,7 +278,7 @@ def payload_sets(op: str) -> list[list[Any]]:
 
 def reply_values(op: str) -> list[Any]:
     """Values the server's handlers return; None is the 2-frame acknowledgement."""
-    cls = get_response_class(RequestType[op])
+    cls = response_class(op)
     if cls is None:
         return [None]
     slots = {"slots": [{"offset": 0, "length": 262144, "shape": [2, 2, 256, 128],
@@ -251,15 +312,60 @@ def reply_values(op: str) -> list[Any]:
     return table[op]
 
 
+def raw_cuda_wrapper(handle: bytes, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
+                     uuid: str) -> Any:
+    """A RawCudaIPCWrapper as __init__ would leave it (no GPU needed)."""
+    w = object.__new__(RawCudaIPCWrapper)
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    attrs: dict[str, Any] = {"_ipc_handle_reserved": handle}
+    if FAMILY != "0.5.3":
+        attrs["_alloc_offset"] = 0
+    attrs.update(_nbytes=nbytes, handle=None, dtype=dtype, shape=tuple(shape),
+                 stride=tuple(reversed(strides)), storage_offset=0)
+    if FAMILY != "0.5.3":
+        attrs["_opens"] = 0
+    attrs["device_uuid"] = uuid
+    for k, v in attrs.items():
+        setattr(w, k, v)
+    return w
+
+
+def wrapper_cases() -> list[dict[str, Any]]:
+    """Each wrapper serialised by the release's own ``DeviceIPCWrapper.Serialize``."""
+    cases = []
+    dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.uint8]
+    shapes = [(2, 64, 4, 16, 32), (128, 16, 576), (2, 1, 1, 1, 1), (2, 4096, 8, 16, 128), ()]
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for d in shape:
+            numel *= d
+        name = f"/lmcache_mp_{1000 + i}_{i}_L{i}_{'ab' * i}"
+        w = shm_wrapper(name, shape, dtype)
+        cases.append({"kind": "cpu_shm", "fields": {
+            "shm_name": name, "nbytes": w.nbytes, "dtype": str(dtype).removeprefix("torch."),
+            "shape": list(shape), "stride": list(w.stride)},
+            "data": DeviceIPCWrapper.Serialize(w).hex()})
+        handle = bytes((i * 37 + j) % 256 for j in range(64))
+        uuid = f"{i:08x}-1234-5678-9abc-{i * 99991:012x}"
+        rw = raw_cuda_wrapper(handle, numel * itemsize, dtype, shape, uuid)
+        cases.append({"kind": "cuda_raw", "fields": {
+            "ipc_handle": handle.hex(), "nbytes": numel * itemsize,
+            "dtype": str(dtype).removeprefix("torch."), "shape": list(shape),
+            "stride": list(rw.stride), "device_uuid": uuid},
+            "data": DeviceIPCWrapper.Serialize(rw).hex()})
+    return cases
+
+
 # ----------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="fixtures")
     args = ap.parse_args()
-    version = lmcache.__version__ if hasattr(lmcache, "__version__") else "unknown"
-    from importlib.metadata import version as dist_version
-
-    version = dist_version("lmcache")
+    version = VERSION
     out = Path(args.out) / f"v{version}"
     out.mkdir(parents=True, exist_ok=True)
 
@@ -267,21 +373,22 @@ def main() -> None:
     uid_cycle = [5, 0, 2**31, 127]
     for group, ops in GROUPS.items():
         for op in ops:
-            rt = RequestType[op]
-            classes = get_payload_classes(rt)
+            if op == "QUERY_PREFETCH_LOOKUP_HITS" and FAMILY == "0.5.6":
+                continue  # retired in 0.5.6
+            classes = payload_classes(op)
             for n, payloads in enumerate(payload_sets(op)):
                 assert len(payloads) == len(classes), (op, payloads)
                 uid = uid_cycle[n % len(uid_cycle)]
-                frames = [msgspec_encode(uid, int), msgspec_encode(rt, RequestType)]
+                frames = [msgspec_encode(uid, int), type_frame(op)]
                 frames += [msgspec_encode(p, c) for p, c in zip(payloads, classes, strict=True)]
                 requests.append({
-                    "op": op, "group": group, "id": rt.value, "uid": uid,
+                    "op": op, "group": group, "id": op_id(op), "uid": uid,
                     "payloads": [tag(p) for p in payloads],
                     "frames": [f.hex() for f in frames],
                 })
-            cls = get_response_class(rt)
+            cls = response_class(op)
             for n, value in enumerate(reply_values(op)):
-                frames = [msgspec_encode(n, int), msgspec_encode(rt, RequestType)]
+                frames = [msgspec_encode(n, int), type_frame(op)]
                 if value is not None:
                     frames.append(msgspec_encode(value, cls))
                 replies.append({"op": op, "value": tag(value),
@@ -313,7 +420,10 @@ def main() -> None:
 
     meta = {"lmcache_version": version, "msgspec_version": msgspec.__version__,
             "generator": "tools/gen_fixtures.py"}
-    for name, data in (("requests", requests), ("replies", replies), ("hashes", hasher_cases)):
+    outputs = [("requests", requests), ("replies", replies), ("hashes", hasher_cases)]
+    if FAMILY != "0.5.3":  # 0.5.3's wrapper pickles live in pickles.json
+        outputs.append(("wrappers", wrapper_cases()))
+    for name, data in outputs:
         path = out / f"{name}.json"
         path.write_text(json.dumps({"meta": meta, "cases": data}, ensure_ascii=False, indent=0) + "\n")
         print(f"wrote {path}: {len(data)} cases")

@@ -54,7 +54,9 @@ def _make_validator(tp: Any) -> Callable[[Any], Any]:
 
     def validate(value: Any) -> Any:
         # strict: a bool is not an int, a str is not bytes, as on the server side.
-        return msgspec.convert(value, tp, strict=True)
+        # from_attributes: a family's richer struct (e.g. 0.5.5's EngineGroupInfo)
+        # is built from the public one, its extra fields taking their defaults.
+        return msgspec.convert(value, tp, strict=True, from_attributes=True)
 
     return validate
 
@@ -90,8 +92,9 @@ class Operation:
         object.__setattr__(self, "reply_decoder", decoder)
 
 
-# Builds the profile's wire key from a public CacheKey and a worker id (None for LOOKUP).
-KeyBuilder = Callable[[Any, "int | None"], msgspec.Struct]
+# Builds the profile's wire key from a public CacheKey, a worker id (None for LOOKUP) and
+# the number of readers that will retrieve each chunk (0.5.5+ keys carry it).
+KeyBuilder = Callable[[Any, "int | None", int], msgspec.Struct]
 # Serialises one CPU SHM layer for REGISTER_KV_CACHE in the family's wrapper format:
 # (shm_name, nbytes, dtype name, shape, stride) -> WrapperBlob.
 CpuShmWrapperBuilder = Callable[[str, int, str, "tuple[int, ...]", "tuple[int, ...]"], Any]

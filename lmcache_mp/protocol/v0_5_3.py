@@ -13,18 +13,12 @@ from typing import Any
 
 import msgspec
 
-from .operations import Operation, Payload, Profile
+from .core_ops import core_operations
+from .operations import Profile
 from .types import (
     U32,
-    BlockAllocationRecord,
-    BlockId,
     EngineGroupInfo,
-    EngineType,
-    LayoutHints,
-    PrepareRetrieveResponse,
-    PrepareStoreResponse,
     RegisterEngineDrivenContextPayload,
-    RegisterEngineDrivenContextResponse,
     WireInt,
     WrapperBlob,
 )
@@ -45,7 +39,8 @@ class CacheKeyV053(msgspec.Struct, frozen=True):
     cache_salt: str = ""
 
 
-def build_key(key: Any, worker_id: int | None) -> CacheKeyV053:
+def build_key(key: Any, worker_id: int | None, num_kv_readers: int = 1) -> CacheKeyV053:
+    # 0.5.3 has no num_kv_readers: extra readers travel as LOOKUP's tp_size payload.
     return CacheKeyV053(
         model_name=key.model_name,
         world_size=key.world_size,
@@ -87,114 +82,13 @@ def wrap_cuda(
     ))
 
 
-KEY = Payload("key", CacheKeyV053)
-INSTANCE_ID = Payload("instance_id", WireInt)
-BLOCK_IDS = Payload("block_ids", list[list[BlockId]])
-EVENT = Payload("event_ipc_handle", bytes)
-REQUEST_ID = Payload("request_id", str)
-TP_SIZE = Payload("tp_size", WireInt)
-
-_REGISTER_PAYLOADS = (
-    INSTANCE_ID,
-    Payload("kv_caches", list[WrapperBlob]),
-    Payload("model_name", str),
-    Payload("world_size", WireInt),
-    Payload("engine_type", EngineType),
-    Payload("layout_hints", LayoutHints),
-    Payload("engine_group_infos", list[EngineGroupInfo]),
-)
-_TRANSFER_REPLY = tuple[bytes, bool]
-
-_OPS = (
-    # --- engine group -------------------------------------------------------
-    Operation("REGISTER_KV_CACHE", 1, _REGISTER_PAYLOADS, None, "sync", "engine"),
-    Operation("UNREGISTER_KV_CACHE", 2, (INSTANCE_ID,), None, "sync", "engine"),
-    # Q-cache ops are answered only by servers started with --enable transfer_query.
-    Operation("REGISTER_Q_CACHE", 3, _REGISTER_PAYLOADS, None, "sync", "engine"),
-    Operation("UNREGISTER_Q_CACHE", 4, (INSTANCE_ID,), None, "sync", "engine"),
-    Operation(
-        "STORE_Q", 5, (KEY, INSTANCE_ID, BLOCK_IDS, EVENT), _TRANSFER_REPLY, "blocking", "engine"
-    ),
-    Operation(
-        "STORE", 6, (KEY, INSTANCE_ID, BLOCK_IDS, EVENT), _TRANSFER_REPLY, "blocking", "engine"
-    ),
-    Operation(
-        "RETRIEVE",
-        7,
-        (KEY, INSTANCE_ID, BLOCK_IDS, EVENT, Payload("skip_first_n_tokens", WireInt)),
-        _TRANSFER_REPLY,
-        "blocking",
-        "engine",
-    ),
-    Operation("LOOKUP", 8, (KEY, TP_SIZE), None, "blocking", "engine"),
-    Operation(
-        "QUERY_PREFETCH_STATUS", 9, (REQUEST_ID,), int, "blocking", "engine", reply_optional=True
-    ),
-    Operation(
-        "WAIT_PREFETCH_STATUS",
-        10,
-        (REQUEST_ID, Payload("timeout", float)),
-        int,
-        "blocking",
-        "engine",
-        reply_optional=True,
-    ),
-    Operation(
-        "QUERY_PREFETCH_LOOKUP_HITS",
-        11,
-        (REQUEST_ID,),
-        int,
-        "blocking",
-        "engine",
-        reply_optional=True,
-    ),
-    Operation("FREE_LOOKUP_LOCKS", 12, (KEY, TP_SIZE), None, "blocking", "engine"),
-    Operation("END_SESSION", 13, (REQUEST_ID,), None, "blocking", "engine"),
-    Operation(
-        "REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
-        14,
-        (Payload("payload", RegisterEngineDrivenContextPayload),),
-        RegisterEngineDrivenContextResponse,
-        "sync",
-        "engine",
-    ),
-    Operation(
-        "UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", 15, (INSTANCE_ID,), None, "sync", "engine"
-    ),
-    Operation(
-        "PREPARE_STORE", 16, (KEY, INSTANCE_ID), PrepareStoreResponse, "blocking", "engine"
-    ),
-    Operation(
-        "COMMIT_STORE",
-        17,
-        (KEY, INSTANCE_ID, Payload("cpu_data", bytes)),
-        bool,
-        "blocking",
-        "engine",
-    ),
-    Operation(
-        "PREPARE_RETRIEVE", 18, (KEY, INSTANCE_ID), PrepareRetrieveResponse, "blocking", "engine"
-    ),
-    Operation("COMMIT_RETRIEVE", 19, (KEY, INSTANCE_ID), bool, "blocking", "engine"),
-    # --- controller group ---------------------------------------------------
-    # CLEAR has no payload up to 0.5.5 (the server always forces).
-    Operation("CLEAR", 20, (), None, "blocking", "controller"),
-    Operation("GET_CHUNK_SIZE", 21, (), int, "sync", "controller"),
-    Operation(
-        "PING", 22, (Payload("instance_id", WireInt | None),), bool, "blocking", "controller"
-    ),
-    Operation("GET_EXPERIMENTAL", 40, (), list[str], "sync", "controller"),
-    # --- observability group ------------------------------------------------
-    Operation(
-        "REPORT_BLOCK_ALLOCATION",
-        23,
-        (INSTANCE_ID, Payload("model_name", str), Payload("records", list[BlockAllocationRecord])),
-        None,
-        "blocking",
-        "observability",
-    ),
-    # --- debug group --------------------------------------------------------
-    Operation("NOOP", 24, (), str, "sync", "debug"),
+_OPS = core_operations(
+    key_type=CacheKeyV053,
+    group_info_type=EngineGroupInfo,
+    engine_driven_payload_type=RegisterEngineDrivenContextPayload,
+    get_experimental_id=40,
+    clear_takes_force=False,
+    has_lookup_hits=True,
 )
 
 PROFILE = Profile(
