@@ -3,6 +3,7 @@
     lmcache-mp ping URL            is the server answering?
     lmcache-mp info URL            chunk size, protocol, round-trip time, features
     lmcache-mp keys --model M ...  the chunk hashes / storage keys a prompt maps to
+    lmcache-mp doctor [--url URL]  CUDA, IPC handles, /dev/shm, and the server's protocol
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _cmd_ping(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    with Client(args.url, timeout=args.timeout) as client:
+    with Client(args.url, timeout=args.timeout, protocol=args.protocol) as client:
         noop = client.noop()
         chunk = client.chunk_size()
         features = client.get_experimental()
@@ -46,9 +47,13 @@ def _cmd_info(args: argparse.Namespace) -> int:
             client.noop()
             samples.append((time.perf_counter() - start) * 1e6)
         samples.sort()
+        detection = client.detection
+        how = (f"detected: {'; '.join(detection.evidence)}" if detection is not None
+               else "named")
         rows = [
             ("server", args.url),
-            ("protocol", f"{client.server_protocol} (LMCache {', '.join(client.profile.releases)})"),
+            ("protocol", f"{client.server_protocol} (LMCache {', '.join(client.profile.releases)}"
+                         f"; {how})"),
             ("NOOP", repr(noop)),
             ("chunk size", f"{chunk} tokens"),
             ("experimental", ", ".join(features) or "(none)"),
@@ -100,6 +105,12 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import main_doctor  # imports CUDA bindings only when asked
+
+    return main_doctor(args.url, args.timeout)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmcache-mp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -112,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="chunk size, protocol, round-trip time")
     p.add_argument("url")
+    p.add_argument("--protocol", default="auto", help="auto (probe) or 0.5.3 / 0.5.5 / 0.5.6")
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--samples", type=int, default=200)
     p.set_defaults(func=_cmd_info)
@@ -131,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--random", type=int, help="this many random token ids")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_keys)
+
+    p = sub.add_parser("doctor", help="CUDA, IPC handles, /dev/shm, and the server's protocol")
+    p.add_argument("--url", help="also check this server")
+    p.add_argument("--timeout", type=float, default=2.0)
+    p.set_defaults(func=_cmd_doctor)
     return parser
 
 

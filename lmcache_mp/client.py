@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
@@ -10,7 +11,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from .errors import InvalidArgument, ProtocolMismatch, RequestTimeout
+from .errors import InvalidArgument, ProtocolMismatch, RequestTimeout, ServerUnavailable
 from .futures import ReplyFuture
 from .ipc.base import ExportableKVCache
 from .ipc.cpu_cache import STORAGE_DTYPES, CpuKVCache
@@ -18,6 +19,7 @@ from .ipc.paged_copy import gather_chunk, scatter_chunk
 from .ipc.shm import map_existing
 from .keys import CacheKey
 from .protocol import Profile, decode_reply, encode_request, get_profile
+from .protocol.detect import Detection, detect
 from .protocol.operations import Operation
 from .protocol.types import (
     BlockAllocationRecord,
@@ -68,17 +70,22 @@ class Client:
     Args:
         url: the server's ZMQ endpoint, e.g. ``"tcp://127.0.0.1:5555"``.
         timeout: default deadline of each call, in seconds.
-        protocol: the server's wire family (``"0.5.3"`` covers 0.5.3 and 0.5.4).
+        protocol: the server's wire family: ``"auto"`` (default) probes the server once,
+            on the first call, without disturbing it (one round trip for 0.5.3/0.5.4
+            and for 0.5.6 with observability on, about 0.3 s otherwise); or name it:
+            ``"0.5.3"`` (covers 0.5.4), ``"0.5.5"``, ``"0.5.6"``, to skip the probe.
     """
 
     def __init__(
-        self, url: str, *, timeout: float = DEFAULT_TIMEOUT, protocol: str = "0.5.3"
+        self, url: str, *, timeout: float = DEFAULT_TIMEOUT, protocol: str = "auto"
     ) -> None:
         if not isinstance(url, str) or "://" not in url:
             raise InvalidArgument(f"url must look like tcp://host:port, got {url!r}")
         self.url = url
         self.timeout = _check_timeout(timeout)
-        self._profile: Profile = get_profile(protocol)
+        self._profile: Profile | None = None if protocol == "auto" else get_profile(protocol)
+        self.detection: Detection | None = None
+        self._detect_lock = threading.Lock()
         self._transport = Transport(url)
         self._chunk_size: int | None = None
         self._registrations: dict[int, Registration] = {}
@@ -88,17 +95,55 @@ class Client:
     # ---------------------------------------------------------------- plumbing
     @property
     def server_protocol(self) -> str:
-        """The protocol family this client speaks to the server."""
-        return self._profile.name
+        """The protocol family this client speaks to the server (probes it if "auto")."""
+        return self.profile.name
 
     @property
     def profile(self) -> Profile:
-        return self._profile
+        return self._profile if self._profile is not None else self._detect()
+
+    def _detect(self) -> Profile:
+        with self._detect_lock:
+            if self._profile is None:
+                pending: dict[str, PendingRequest] = {}
+                try:
+                    self.detection = detect(partial(self._probe_exchange, pending), self.url,
+                                            timeout=min(self.timeout, 2.0))
+                finally:
+                    for p in pending.values():  # unanswered probes: drop late replies
+                        self._transport.cancel(p)
+                self._profile = get_profile(self.detection.profile)
+            return self._profile
+
+    def _probe_exchange(
+        self,
+        pending: dict[str, PendingRequest],
+        batch: Sequence[tuple[str, list[bytes]]],
+        until: str,
+        timeout: float,
+    ) -> dict[str, list[bytes] | None]:
+        """Send probe frames in order; wait for ``until``; collect whatever else is in."""
+        for name, frames in batch:
+            pending[name] = self._transport.submit(frames, timeout, f"probe {name}")
+        target = pending.get(until)
+        if target is not None:
+            self._transport.wait_for(target, timeout)
+            if isinstance(target.error, ServerUnavailable):
+                raise target.error  # never reached the server: say so, not "no answer"
+            if not target.done and not target.sent:
+                self._transport.cancel(target)
+                raise ServerUnavailable(self._transport.unreachable_reason(
+                    f"the protocol probe ({until})", timeout))
+        out: dict[str, list[bytes] | None] = {}
+        for name, p in list(pending.items()):
+            self._transport.poll(p)
+            out[name] = p.frames if p.done and p.error is None else None
+        return out
 
     def _submit(
         self, op_name: str, payloads: Sequence[Any], timeout: float | None
     ) -> tuple[Operation, PendingRequest]:
-        op = self._profile.op(op_name)
+        op = (self._profile or self._detect()).op(op_name)
         frames = encode_request(op, payloads)
         t = self.timeout if timeout is None else _check_timeout(timeout)
         return op, self._transport.submit(frames, t, op_name)
@@ -114,9 +159,6 @@ class Client:
         """The blocking form, without a future on the hot path."""
         op, pending = self._submit(op_name, payloads, timeout)
         return decode_reply(op, self._transport.wait(pending))
-
-    def _op(self, name: str) -> Operation:
-        return self._profile.op(name)
 
     def close(self) -> None:
         """Fail pending calls with ClientClosed and release the socket. Idempotent.
@@ -145,7 +187,8 @@ class Client:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
-        return f"<lmcache_mp.Client {self.url} protocol={self._profile.name} {state}>"
+        proto = self._profile.name if self._profile is not None else "auto (not yet probed)"
+        return f"<lmcache_mp.Client {self.url} protocol={proto} {state}>"
 
     # ------------------------------------------------------------ control plane
     def ping_async(
@@ -173,9 +216,11 @@ class Client:
             self._chunk_size = value
         return self._chunk_size
 
-    def clear(self, *, timeout: float | None = None) -> None:
-        """CLEAR: drop every cached object on the server (forced)."""
-        self._call("CLEAR", (), timeout)
+    def clear(self, *, force: bool = True, timeout: float | None = None) -> None:
+        """CLEAR: drop cached objects on the server. Servers up to 0.5.5 always force
+        (``force`` is not sent); 0.5.6 takes it as its payload."""
+        takes_force = len(self.profile.op("CLEAR").payloads) == 1
+        self._call("CLEAR", (bool(force),) if takes_force else (), timeout)
 
     def get_experimental(self, *, timeout: float | None = None) -> list[str]:
         """The experimental transfer features the server was started with."""
@@ -185,7 +230,7 @@ class Client:
     def submit_lookup_async(
         self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None
     ) -> ReplyFuture[None]:
-        wire = self._profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
+        wire = self.profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
         return self._request("LOOKUP", (wire, tp_size), timeout)
 
     def submit_lookup(self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None) -> None:
@@ -197,7 +242,7 @@ class Client:
         a RETRIEVE or :meth:`free_lookup_locks` releases them (or a 300 s TTL).
         ``tp_size`` adds readers for MLA; send the same value to free_lookup_locks.
         """
-        wire = self._profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
+        wire = self.profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
         self._call("LOOKUP", (wire, tp_size), timeout)
 
     def query_prefetch_status_async(
@@ -252,7 +297,7 @@ class Client:
     def free_lookup_locks_async(
         self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None
     ) -> ReplyFuture[None]:
-        wire = self._profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
+        wire = self.profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
         return self._request("FREE_LOOKUP_LOCKS", (wire, tp_size), timeout)
 
     def free_lookup_locks(
@@ -260,7 +305,7 @@ class Client:
     ) -> None:
         """Release the read locks a LOOKUP took on chunks in ``[key.start, key.end)``
         that will not be retrieved (all ranks). Use the LOOKUP's ``tp_size``."""
-        wire = self._profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
+        wire = self.profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
         self._call("FREE_LOOKUP_LOCKS", (wire, tp_size), timeout)
 
     def end_session_async(
@@ -345,7 +390,7 @@ class Client:
         """
         reg = self._new_registration("lmcache_driven", kv_cache, instance_id, model_name,
                                      world_size, worker_id, engine_group_infos, timeout)
-        blobs = kv_cache.ipc_wrappers(self._profile)
+        blobs = kv_cache.ipc_wrappers(self.profile)
         self._call(
             "REGISTER_KV_CACHE",
             (instance_id, blobs, model_name, world_size, "vllm", kv_cache.layout_hints(),
@@ -440,7 +485,7 @@ class Client:
         reg = self._registration(instance_id, "lmcache_driven", op_name)
         reg.check_key(key, op_name)
         groups = normalize_block_ids(block_ids, key, reg, op_name)
-        wire = self._profile.build_key(key, reg.worker_for(key), 1)
+        wire = self.profile.build_key(key, reg.worker_for(key), 1)
         cache = reg.cache
         # The event handle orders the server's copy after the caller's stream (CUDA);
         # the token (the event) must live until the reply. A CPU server ignores it.
@@ -544,10 +589,10 @@ class Client:
         if not info.shm_name or info.pool_size <= 0:
             self._call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (instance_id,), timeout)
             raise ProtocolMismatch(
-                "the server has no shared-memory L1 pool (lazy L1, or --shm-name ''), so "
-                "engine-driven transfers would need pickled torch tensors, which lmcache_mp "
-                "does not send; start the server with --no-l1-use-lazy, or use "
-                "register_kv_cache()"
+                "the server has no shared-memory L1 pool, so engine-driven transfers would "
+                "need pickled torch tensors, which lmcache_mp does not send. Start the server "
+                "with --shm-name NAME (needed from 0.5.4; on GPU hosts also --no-l1-use-lazy), "
+                "or use register_kv_cache()"
             )
         if info.shm_name not in self._pools:
             pool = map_existing(info.shm_name, info.pool_size)
@@ -616,7 +661,7 @@ class Client:
         """PREPARE_STORE, copy the blocks into the reserved pool slots, COMMIT_STORE.
         Chunks already cached are skipped (True without a commit)."""
         reg, ids, per_chunk = self._engine_driven_ids("PREPARE_STORE", key, block_ids, instance_id)
-        wire = self._profile.build_key(key, reg.worker_for(key), 1)
+        wire = self.profile.build_key(key, reg.worker_for(key), 1)
         prepared: PrepareStoreResponse = self._call("PREPARE_STORE", (wire, instance_id), timeout)
         slots = prepared.context.get("slots") or []
         chunk_indices = prepared.context.get("chunk_indices") or []
@@ -647,7 +692,7 @@ class Client:
         _check_skip(skip_first_n_tokens, key)
         reg, ids, per_chunk = self._engine_driven_ids("PREPARE_RETRIEVE", key, block_ids,
                                                       instance_id)
-        wire = self._profile.build_key(key, reg.worker_for(key), 1)
+        wire = self.profile.build_key(key, reg.worker_for(key), 1)
         prepared: PrepareRetrieveResponse = self._call("PREPARE_RETRIEVE", (wire, instance_id),
                                                        timeout)
         if not prepared.success:

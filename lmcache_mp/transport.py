@@ -263,11 +263,18 @@ class Transport:
     def wait(self, p: PendingRequest) -> list[bytes]:
         """Block until ``p`` completes or its deadline passes; return the reply frames."""
         if not p.done:
-            self._await(p)
+            self._await(p, p.deadline)
         if p.error is not None:
             raise p.error
         assert p.frames is not None
         return p.frames
+
+    def wait_for(self, p: PendingRequest, seconds: float) -> bool:
+        """Wait at most ``seconds`` (never past ``p``'s own deadline) for ``p`` to
+        complete, without failing it; returns whether it is done."""
+        if not p.done:
+            self._await(p, min(p.deadline, time.monotonic() + seconds))
+        return p.done
 
     def poll(self, p: PendingRequest) -> bool:
         """Whether ``p`` is complete, servicing the socket once without blocking."""
@@ -283,18 +290,19 @@ class Transport:
             self._expire(p)
         return p.done
 
-    def _await(self, p: PendingRequest) -> None:
+    def _await(self, p: PendingRequest, deadline: float) -> None:
+        """Wait for ``p`` until ``deadline``; expire it if that is its own deadline."""
         leader = self._leader
         following = False
         try:
             while not p.done:
                 if leader.acquire(blocking=False):
                     try:
-                        self._lead(p)
+                        self._lead(p, deadline)
                     finally:
                         leader.release()
                         self._hand_off()
-                    if not p.done:
+                    if not p.done and time.monotonic() >= p.deadline:
                         self._expire(p)
                     return
                 if not following:
@@ -306,9 +314,10 @@ class Transport:
                         self._followers.add(p)
                     following = True
                     continue
-                remaining = p.deadline - time.monotonic()
+                remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._expire(p)
+                    if time.monotonic() >= p.deadline:
+                        self._expire(p)
                     return
                 event = p.event
                 assert event is not None
@@ -329,7 +338,7 @@ class Transport:
                     q.event.set()
                     return
 
-    def _lead(self, p: PendingRequest) -> None:
+    def _lead(self, p: PendingRequest, deadline: float) -> None:
         poller = self._poller
         wake_r = self._res.wake_r
         monitor_fd = self._monitor_fd
@@ -346,7 +355,7 @@ class Transport:
                     self._drain_inbound_locked()
             if p.done:
                 return
-            remaining = p.deadline - time.monotonic()
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
             wait_ms = max(1, int(remaining * 1000 + 0.999))
@@ -382,10 +391,11 @@ class Transport:
                     self._outbox.remove(p)
                 except ValueError:
                     pass
-                err = ServerUnavailable(self._unreachable_reason(p))
+                err = ServerUnavailable(self.unreachable_reason(p.label, p.timeout))
             p.fail(err)
 
-    def _unreachable_reason(self, p: PendingRequest) -> str:
+    def unreachable_reason(self, label: str, timeout: float) -> str:
+        """Why ``label`` could not be sent within ``timeout`` s, and what to do."""
         if self._ever_connected:
             what = "the connection was lost and has not come back"
         elif self._refused:
@@ -393,10 +403,22 @@ class Transport:
         else:
             what = "no connection could be made"
         return (
-            f"could not send {p.label} to an LMCache server at {self.url} within "
-            f"{p.timeout:g} s: {what}. Start the server (python -m "
+            f"could not send {label} to an LMCache server at {self.url} within "
+            f"{timeout:g} s: {what}. Start the server (python -m "
             f"lmcache.v1.multiprocess.server --host ... --port ...) or check the URL."
         )
+
+    def cancel(self, p: PendingRequest) -> None:
+        """Forget a request whose reply is no longer wanted (a late reply is dropped)."""
+        with self._lock:
+            if p.done:
+                return
+            self._pending.pop(p.uid, None)
+            try:
+                self._outbox.remove(p)
+            except ValueError:
+                pass
+            p.fail(RequestTimeout(f"{p.label} was cancelled"))
 
     # ------------------------------------------------------------------- closing
     def close(self) -> None:

@@ -106,6 +106,12 @@ start() {
     --l1-size-gb 1 --eviction-policy LRU --disable-observability "${extra[@]}" >"$log_file" 2>&1 </dev/null &
   echo $! >"$pid_file"
   local pid; pid=$(cat "$pid_file")
+  local i
+  for ((i = 0; i < ${#extra[@]}; i++)); do
+    if [ "${extra[$i]}" = "--shm-name" ] && [ -n "${extra[$((i + 1))]:-}" ]; then
+      echo "${extra[$((i + 1))]}" >"$run_dir/server-$port.shm"
+    fi
+  done
   for _ in $(seq 1 240); do
     if ! kill -0 "$pid" 2>/dev/null; then
       echo "lmcache-server.sh: server exited during start; last log lines:" >&2; tail -20 "$log_file" >&2; rm -f "$pid_file"; exit 1
@@ -129,8 +135,14 @@ stop() {
       for _ in $(seq 1 50); do is_our_server "$pid" || break; sleep 0.1; done
     fi
   fi
-  # A SIGKILLed server leaves its 1 GiB L1 pool segment behind.
+  # A SIGKILLed server leaves its 1 GiB L1 pool segment behind (named after its pid,
+  # or as given with --shm-name, which LMCache prefixes with lmcache_l1_pool_).
   rm -f "/dev/shm/lmcache_l1_pool_$pid"
+  if [ -f "$run_dir/server-$port.shm" ]; then
+    local name; name=$(cat "$run_dir/server-$port.shm")
+    rm -f "/dev/shm/$name" "/dev/shm/lmcache_l1_pool_$name"
+    rm -f "$run_dir/server-$port.shm"
+  fi
   rm -f "$pid_file"
   echo "lmcache-server.sh: stopped server pid $pid on port $port"
 }

@@ -19,6 +19,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SERVER_SCRIPT = REPO / "scripts" / "lmcache-server.sh"
 SERVER_VERSION = os.environ.get("LMCACHE_MP_SERVER_VERSION", "0.5.3")
+# The protocol family each release must be detected as.
+EXPECTED_FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}
 
 
 def free_port() -> int:
@@ -69,8 +71,11 @@ def start_server(*extra: str) -> LiveServer:
 
 @pytest.fixture(scope="session")
 def live_server() -> Iterator[LiveServer]:
-    """One real server shared by the tests that leave it healthy."""
-    server = start_server("--supported-transfer-mode", "auto")
+    """One real server shared by the tests that leave it healthy, with both transfer
+    modes (the default is LMCache-driven only from 0.5.4) and an L1 pool in shared
+    memory for engine-driven copies (off unless named from 0.5.4)."""
+    server = start_server("--supported-transfer-mode", "auto",
+                          "--shm-name", f"lmcache_l1_pool_test{os.getpid()}")
     yield server
     server.stop()
 
@@ -81,3 +86,8 @@ def private_server() -> Iterator[LiveServer]:
     server = start_server()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def expected_family() -> str:
+    return EXPECTED_FAMILY[SERVER_VERSION]

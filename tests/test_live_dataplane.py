@@ -87,7 +87,7 @@ class Session:
         self.client, self.g, self.mode = client, g, mode
         self.blocks_per_copy = tokens // g.block_size
         self.kv = CpuKVCache.allocate(num_layers=g.num_layers,
-                                      num_blocks=3 * self.blocks_per_copy + 2,
+                                      num_blocks=3 * self.blocks_per_copy + 3,
                                       block_size=g.block_size, num_heads=g.num_heads,
                                       head_dim=g.head_dim, dtype=g.dtype, mla=g.mla)
         self.model = f"rt-{uuid.uuid4().hex[:8]}"
@@ -139,9 +139,10 @@ def test_round_trip_is_byte_exact(client: Client, g: Geometry, mode: str,
     try:
         fill_random(s.kv, seed=hash(str(g)) & 0xFFFF)
         n = s.blocks_per_copy
-        src_ids = list(range(n))
+        # Block 0 is vLLM's null block: 0.5.4+ servers skip a chunk whose ids are all 0.
+        src_ids = list(range(1, n + 1))
         # Scattered targets: exercise the fancy-index path, not just contiguous runs.
-        dst_ids = list(np.random.default_rng(1).permutation(np.arange(n, 3 * n))[:n])
+        dst_ids = list(np.random.default_rng(1).permutation(np.arange(n + 1, 3 * n + 1))[:n])
         dst_ids = [int(b) for b in dst_ids]
         tokens = np.random.default_rng(2).integers(0, 2**32, tokens_n).tolist()
         assert s.store(s.key(tokens), src_ids, instance_id=s.instance_id) is True

@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from pathlib import Path
 from importlib.metadata import version as dist_version
+from pathlib import Path
 from typing import Any
 
 import msgspec

@@ -1,0 +1,57 @@
+"""The compatibility table (release x feature), computed from the profiles.
+
+README.md embeds its output between ``<!-- compat:start -->`` and
+``<!-- compat:end -->``; a test keeps the two equal (``make readme`` rewrites it).
+"""
+
+from __future__ import annotations
+
+from . import PROFILES
+from .operations import Profile
+
+__all__ = ["compatibility_table"]
+
+
+def _wrapper_format(p: Profile) -> str:
+    blob = p.wrap_cpu_shm("/lmcache_mp_probe", 8, "float16", (2, 2), (2, 1))
+    return "pickle (protocol 4)" if blob.data[:1] == b"\x80" else "msgpack descriptor"
+
+
+def _ranges(ids: list[int]) -> str:
+    """``[1, 2, 3, 5]`` -> ``"1-3, 5"``."""
+    out: list[str] = []
+    for i in sorted(ids):
+        if out and out[-1].split("-")[-1] == str(i - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ", ".join(out)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def compatibility_table() -> str:
+    profiles = list(PROFILES.values())
+    rows: list[tuple[str, list[str]]] = [
+        ("LMCache releases", [", ".join(p.releases) for p in profiles]),
+        ("operations spoken", [str(len(p.operations)) for p in profiles]),
+        ("op ids sent", [_ranges([op.id for op in p.operations.values()]) for p in profiles]),
+        ("GET_EXPERIMENTAL id", [str(p.op("GET_EXPERIMENTAL").id) for p in profiles]),
+        ("QUERY_PREFETCH_LOOKUP_HITS", [_yes(p.has("QUERY_PREFETCH_LOOKUP_HITS"))
+                                        for p in profiles]),
+        ("CLEAR payload", ["[force]" if p.op("CLEAR").payloads else "none" for p in profiles]),
+        ("key fields", [str(len(p.key_type.__struct_fields__)) for p in profiles]),
+        ("num_kv_readers in the key", [_yes("num_kv_readers" in p.key_type.__struct_fields__)
+                                       for p in profiles]),
+        ("KV-cache wrapper format", [_wrapper_format(p) for p in profiles]),
+    ]
+    head = "| feature | " + " | ".join(f"`{p.name}` profile" for p in profiles) + " |"
+    sep = "|---|" + "---|" * len(profiles)
+    body = [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+    return "\n".join([head, sep, *body])
+
+
+if __name__ == "__main__":
+    print(compatibility_table())

@@ -1,0 +1,119 @@
+"""Which LMCache wire family a server speaks, found by a probe that cannot harm it.
+
+Sans-I/O: :func:`detect` decides what to send and how to read the answers; the caller
+supplies ``exchange(batch)``, which sends a batch of ``(name, frames)`` requests in order
+on one connection and returns ``{name: reply frames (after the uid) or None}``.
+
+The probe follows lmcache-mp-versions.md section 7, with two refinements:
+
+* only integer op ids <= 32 (valid on every release from 0.4.7), every message at least
+  ``[uid, op]``, and never ids 16, 17 or 20 with an empty payload (CLEAR somewhere);
+* **fences instead of timeouts.** SYNC handlers run on the server's message thread in
+  arrival order, so a request answered there (UNREGISTER of an unknown instance) sent
+  after a probe is answered only after that probe was handled: once the fence's reply
+  is in, a missing reply means "no handler", not "slow". A 0.5.3 server is thus
+  identified in one round trip instead of a 1.5 s timeout. Pool-run probes (id 11)
+  are fenced by a PING on the same pool, plus a short grace for multi-worker pools.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from ..errors import ProtocolMismatch, RequestTimeout
+
+__all__ = ["Detection", "detect", "Exchange", "PROBE_OPS"]
+
+# (name, frames after the uid); a reply is its frames after the uid, or None.
+Exchange = Callable[[Sequence[tuple[str, list[bytes]]], str, float], Mapping[str, "list[bytes] | None"]]
+
+_enc = msgspec.msgpack.encode
+
+# The only op ids the probe ever sends, and what each means on the families it knows.
+PROBE_OPS = {
+    2: "UNREGISTER_KV_CACHE in every release (an unknown instance: a no-op ack, SYNC)",
+    21: "GET_CHUNK_SIZE from 0.5.3 (NOOP in 0.5.0, a blend op in 0.4.7)",
+    32: "GET_EXPERIMENTAL from 0.5.5 (an unregistered blend op in 0.5.3/0.5.4)",
+    11: "QUERY_PREFETCH_LOOKUP_HITS up to 0.5.5 (retired in 0.5.6)",
+    22: "PING from 0.5.3 (NORMAL pool, like id 11)",
+}
+
+
+@dataclass(frozen=True)
+class Detection:
+    """The outcome of a probe: the profile name, and what the server answered."""
+
+    profile: str
+    releases: str
+    evidence: tuple[str, ...]
+
+
+def _unregister_unknown() -> list[bytes]:
+    # A random instance id >= 2**48 that no worker uses: unregistering it is a no-op.
+    return [_enc(2), _enc(2**48 + secrets.randbelow(2**60))]
+
+
+def _value(frames: list[bytes] | None) -> object:
+    if frames is None:
+        return None
+    if len(frames) < 2:
+        return "<ack>"
+    try:
+        return msgspec.msgpack.decode(frames[1])
+    except msgspec.DecodeError:
+        return "<undecodable>"
+
+
+def detect(exchange: Exchange, url: str, timeout: float = 2.0, grace: float = 0.25) -> Detection:
+    """Run the probe over ``exchange``; raise ProtocolMismatch for an unsupported or
+    unidentifiable server and RequestTimeout for one that does not answer at all."""
+    first = exchange(
+        [("alive", _unregister_unknown()), ("id21", [_enc(21)]), ("id32", [_enc(32)]),
+         ("fence", _unregister_unknown())],
+        "fence", timeout,
+    )
+    if first.get("alive") is None and first.get("fence") is None:
+        raise RequestTimeout(
+            f"the server at {url} accepted the connection but answered no probe within "
+            f"{timeout:g} s: its message thread has died or it is not an LMCache MP server. "
+            f"Restart it, or name the protocol (protocol='0.5.3') to skip detection."
+        )
+    v21, v32 = _value(first.get("id21")), _value(first.get("id32"))
+    evidence = [f"id 2 -> {_value(first.get('alive'))}", f"id 21 -> {v21!r}",
+                f"id 32 -> {v32!r}"]
+    if v21 == "OK":
+        raise ProtocolMismatch(
+            f"the server at {url} is LMCache 0.5.0 (id 21 answered NOOP's 'OK'); this client "
+            f"speaks 0.5.3, 0.5.4, 0.5.5 and 0.5.6: upgrade the server"
+        )
+    if not isinstance(v21, int) or isinstance(v21, bool):
+        raise ProtocolMismatch(
+            f"the server at {url} did not answer GET_CHUNK_SIZE (id 21 -> {v21!r}): an LMCache "
+            f"release older than 0.5.0, or not LMCache; this client speaks 0.5.3-0.5.6"
+        )
+    if v32 is None:
+        return Detection("0.5.3", "0.5.3/0.5.4", tuple(evidence))
+    if not isinstance(v32, list):
+        raise ProtocolMismatch(f"unexpected reply to id 32 from {url}: {v32!r}")
+    if "kv_event_stream" in v32:
+        return Detection("0.5.6", "0.5.6", tuple(evidence))
+    second = exchange(
+        [("id11", [_enc(11), _enc(f"lmcache-mp-probe-{secrets.token_hex(6)}")]),
+         ("ping", [_enc(22), _enc(None)])],
+        "ping", timeout,
+    )
+    if second.get("ping") is None:
+        raise RequestTimeout(f"the server at {url} stopped answering during detection (PING)")
+    v11 = _value(second.get("id11"))
+    if v11 is None and grace > 0:
+        v11 = _value(exchange([], "id11", grace).get("id11"))
+    evidence.append(f"id 11 -> {v11!r}")
+    if v11 is None:
+        return Detection("0.5.6", "0.5.6", tuple(evidence))
+    if isinstance(v11, int):
+        return Detection("0.5.5", "0.5.5", tuple(evidence))
+    raise ProtocolMismatch(f"unexpected reply to id 11 from {url}: {v11!r}")

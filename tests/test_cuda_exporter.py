@@ -1,0 +1,748 @@
+"""The CUDA exporter's logic, on machines without a GPU.
+
+Every CUDA call of lmcache_mp.ipc.cuda goes through a driver object; these tests pass a
+fake one that models allocations, pointer attributes, contexts and events, so the error
+paths and the event protocol are checked here. Real GPUs: tests/test_gpu_live.py and
+scripts/gpu_check.sh.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import pickletools
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_mp.errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
+from lmcache_mp.ipc.base import ExportableKVCache
+from lmcache_mp.ipc.cuda import (
+    IPC_HANDLE_SIZE,
+    CudaError,
+    CudaKVCache,
+    DeviceInfo,
+    TransferEvent,
+    export_allocation,
+    handle_bytes,
+    stream_handle,
+    torch_uuid_string,
+    uuid_bytes,
+    write_handle_bytes,
+)
+from lmcache_mp.protocol import get_profile
+from lmcache_mp.protocol.types import LayoutHints
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = json.loads((REPO / "fixtures" / "v0.5.3" / "pickles.json").read_text())
+RAW_CASES = [c for c in FIXTURE["cases"] if c["template"] == "v0_5_3_raw_cuda"]
+PROFILE = get_profile("0.5.3")
+
+UUID16 = bytes.fromhex("1f2e3d4c5b6a7988a7b6c5d4e3f2a1b0")
+UUID_STR = "1f2e3d4c-5b6a-7988-a7b6-c5d4e3f2a1b0"
+
+
+# ------------------------------------------------------------- the fake driver
+class FakeDriver:
+    """A CudaDriver double: allocations on devices, per-thread context state, events.
+
+    ``kinds`` maps an allocation base to how it was made: "malloc" (legacy IPC ok),
+    "vmm" (cuMemCreate), "pool" (cudaMallocAsync), "host".
+    """
+
+    def __init__(self, devices: int = 1) -> None:
+        self.devices = devices
+        self.device = 0
+        self.context = 1  # a current context; 0 models a fresh thread
+        self.allocs: dict[int, tuple[int, int, str]] = {}  # base -> (size, device, kind)
+        self.freed: list[int] = []
+        self.next_ptr = 0x7F00_0000_0000
+        self.events: dict[int, dict[str, Any]] = {}
+        self.next_event = 1
+        self.calls: list[tuple[Any, ...]] = []
+        self.opened: dict[bytes, int] = {}  # server handle -> times opened
+        self.set_device_calls: list[int] = []
+
+    # versions / devices
+    def bindings_version(self) -> str:
+        return "fake"
+
+    def driver_version(self) -> int:
+        return 13000
+
+    def runtime_version(self) -> int:
+        return 13000
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def device_info(self, device: int) -> DeviceInfo:
+        raw = bytes([device]) + UUID16[1:]
+        return DeviceInfo(device, f"Fake GPU {device}", torch_uuid_string(raw), 1 << 30, (9, 0))
+
+    def get_device(self) -> int:
+        return self.device
+
+    def set_device(self, device: int) -> None:
+        self.set_device_calls.append(device)
+        self.device = device
+        self.context = 100 + device
+
+    def current_context(self) -> int:
+        return self.context
+
+    # memory
+    def add_alloc(self, size: int, kind: str = "malloc", device: int | None = None) -> int:
+        base = self.next_ptr
+        self.next_ptr += (size + 0xFFFFF) & ~0xFFFFF
+        self.allocs[base] = (size, self.device if device is None else device, kind)
+        return base
+
+    def malloc(self, nbytes: int) -> int:
+        self.calls.append(("malloc", nbytes, self.device))
+        return self.add_alloc(nbytes)
+
+    def free(self, ptr: int) -> None:
+        assert ptr in self.allocs and ptr not in self.freed
+        self.calls.append(("free", ptr, self.device))
+        self.freed.append(ptr)
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        self.calls.append(("memset", ptr, value, nbytes))
+
+    def synchronize_device(self) -> None:
+        self.calls.append(("sync_device",))
+
+    def _find(self, ptr: int) -> tuple[int, int, int, str] | None:
+        for base, (size, dev, kind) in self.allocs.items():
+            if base <= ptr < base + size and base not in self.freed:
+                return base, size, dev, kind
+        return None
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        found = self._find(ptr)
+        if found is None:
+            raise CudaError("cuMemGetAddressRange failed: CUDA_ERROR_NOT_FOUND", code=500)
+        return found[0], found[1]
+
+    def pointer_attribute(self, ptr: int, name: str) -> int | None:
+        found = self._find(ptr)
+        if found is None:
+            return None
+        _, _, dev, kind = found
+        return {
+            "MEMORY_TYPE": 1 if kind == "host" else 2,
+            "IS_LEGACY_CUDA_IPC_CAPABLE": int(kind == "malloc"),
+            "MEMPOOL_HANDLE": 0xABC if kind == "pool" else 0,
+            "IS_MANAGED": 0,
+            "DEVICE_ORDINAL": dev,
+        }.get(name)
+
+    def ipc_get_mem_handle(self, ptr: int) -> bytes:
+        assert ptr in self.allocs, "always exported at the base"
+        self.calls.append(("ipc_mem", ptr))
+        return ptr.to_bytes(8, "little") * 8
+
+    # events
+    def event_create_ipc(self) -> int:
+        ev = self.next_event
+        self.next_event += 1
+        self.events[ev] = {"kind": "ours", "destroyed": False, "recorded_on": None,
+                           "device": self.device}
+        return ev
+
+    def event_record(self, event: int, stream: int) -> None:
+        self.events[event]["recorded_on"] = stream
+
+    def ipc_get_event_handle(self, event: int) -> bytes:
+        return b"E" + event.to_bytes(8, "little") + bytes(IPC_HANDLE_SIZE - 9)
+
+    def ipc_open_event_handle(self, handle: bytes) -> int:
+        assert len(handle) == IPC_HANDLE_SIZE
+        self.opened[handle] = self.opened.get(handle, 0) + 1
+        ev = self.next_event
+        self.next_event += 1
+        self.events[ev] = {"kind": "opened", "handle": handle, "destroyed": False}
+        return ev
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        assert not self.events[event]["destroyed"]
+        self.calls.append(("wait", stream, self.events[event].get("handle")))
+
+    def event_synchronize(self, event: int) -> None:
+        self.calls.append(("event_sync", self.events[event].get("handle")))
+
+    def event_destroy(self, event: int) -> None:
+        assert not self.events[event]["destroyed"], "destroyed twice"
+        self.events[event]["destroyed"] = True
+
+    def stream_synchronize(self, stream: int) -> None:
+        self.calls.append(("stream_sync", stream))
+
+
+def small_cache(drv: FakeDriver, **kw: Any) -> CudaKVCache:
+    args: dict[str, Any] = dict(num_layers=3, num_blocks=8, block_size=16, num_heads=2,
+                                head_dim=64, dtype="bfloat16", driver=drv)
+    args.update(kw)
+    return CudaKVCache.allocate(**args)
+
+
+def server_handle(n: int) -> bytes:
+    return b"S" + bytes([n]) * (IPC_HANDLE_SIZE - 1)
+
+
+# ------------------------------------------------------------------- UUIDs
+def test_uuid_matches_torch_format() -> None:
+    # torch's uuid_to_string: "%02x" per byte, grouped 4-2-2-2-6, no "GPU-" prefix.
+    assert torch_uuid_string(UUID16) == UUID_STR
+    assert torch_uuid_string(bytes(range(16))) == "00010203-0405-0607-0809-0a0b0c0d0e0f"
+    assert torch_uuid_string(b"\xff" * 16) == "ffffffff-ffff-ffff-ffff-ffffffffffff"
+    for seed in range(50):
+        raw = os.urandom(16) if seed else bytes(16)
+        text = torch_uuid_string(raw)
+        assert text == str(uuid.UUID(bytes=raw))
+        assert text == text.lower() and not text.startswith("GPU-")
+        assert [len(p) for p in text.split("-")] == [8, 4, 4, 4, 12]
+
+
+def test_uuid_rejects_wrong_sizes() -> None:
+    for bad in (b"", bytes(15), bytes(17), "GPU-" + UUID_STR, None):
+        with pytest.raises(InvalidArgument):
+            torch_uuid_string(bad)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------- handle byte extraction
+class ReservedStruct:
+    """cuda-bindings <= 13.3: the bytes are the .reserved attribute."""
+
+    def __init__(self, data: Any = bytes(64)) -> None:
+        self.reserved = data
+
+
+class PointerStruct:
+    """cuda-bindings >= 13.4: only getPtr(), the address of the C struct."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.buf = ctypes.create_string_buffer(size)
+
+    def getPtr(self) -> int:  # noqa: N802 - the bindings' name
+        return ctypes.addressof(self.buf)
+
+
+def test_handle_bytes_from_reserved() -> None:
+    data = bytes(range(64))
+    assert handle_bytes(ReservedStruct(data)) == data
+    # Some bindings hand back C chars as signed ints.
+    signed = [b - 256 if b > 127 else b for b in bytes(range(192, 256))]
+    assert handle_bytes(ReservedStruct(signed)) == bytes(range(192, 256))
+    with pytest.raises(CudaError):
+        handle_bytes(ReservedStruct(bytes(63)))
+
+
+def test_handle_bytes_through_the_pointer() -> None:
+    s = PointerStruct()
+    ctypes.memmove(s.buf, bytes(range(100, 164)), 64)
+    assert not hasattr(s, "reserved")
+    assert handle_bytes(s) == bytes(range(100, 164))
+
+
+def test_write_handle_bytes_both_ways() -> None:
+    data = os.urandom(64)
+    r = ReservedStruct()
+    write_handle_bytes(r, data)
+    assert r.reserved == data
+    p = PointerStruct()
+    write_handle_bytes(p, data)
+    assert p.buf.raw == data and handle_bytes(p) == data
+    with pytest.raises(InvalidArgument):
+        write_handle_bytes(p, bytes(63))
+    with pytest.raises(TypeError):
+        handle_bytes(object())
+
+
+def test_uuid_bytes_from_struct() -> None:
+    class WithBytes:
+        bytes = UUID16
+
+    class Pointer(PointerStruct):
+        pass
+
+    assert uuid_bytes(WithBytes()) == UUID16
+    p = Pointer(16)
+    ctypes.memmove(p.buf, UUID16, 16)
+    assert uuid_bytes(p) == UUID16
+
+
+def test_stream_handle_forms() -> None:
+    class TorchStream:
+        cuda_stream = 0x55
+
+    class ProtocolStream:
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, 0x66)
+
+    class BindingsStream:
+        def __int__(self) -> int:
+            return 0x77
+
+    assert stream_handle(None) == 0
+    assert stream_handle(7) == 7
+    assert stream_handle(TorchStream()) == 0x55
+    assert stream_handle(ProtocolStream()) == 0x66
+    assert stream_handle(BindingsStream()) == 0x77
+    for bad in (True, -1, "s", 1.5j):
+        with pytest.raises(InvalidArgument):
+            stream_handle(bad)
+
+
+# ----------------------------------------------------- the wrapper pickles
+@pytest.mark.parametrize("case", [c for c in RAW_CASES if c["fields"]["storage_offset"] == 0],
+                         ids=lambda c: f"raw_cuda-{RAW_CASES.index(c)}")
+def test_profile_wrap_cuda_is_byte_identical_to_lmcache(case: dict[str, Any]) -> None:
+    f = case["fields"]
+    blob = PROFILE.wrap_cuda(
+        bytes.fromhex(f["_ipc_handle_reserved"]["$bytes"]), f["_nbytes"], f["dtype"],
+        tuple(f["shape"]), tuple(f["stride"]), f["device_uuid"])
+    assert blob.data.hex() == case["pickle"]
+
+
+def test_cache_wrappers_are_raw_cuda_pickles() -> None:
+    drv = FakeDriver()
+    cache = small_cache(drv)
+    g = cache.geometry
+    blobs = cache.ipc_wrappers(PROFILE)
+    assert len(blobs) == g.num_layers
+    for blob, exp in zip(blobs, cache.exports, strict=True):
+        expected = PROFILE.wrap_cuda(exp.handle, g.layer_nbytes, "bfloat16", g.layer_shape,
+                                     g.layer_strides, cache.device_uuid)
+        assert blob.data == expected.data
+        text = _disassemble(blob.data)
+        assert "RawCudaIPCWrapper" in text and cache.device_uuid in text
+    assert cache.device_uuid == torch_uuid_string(b"\x00" + UUID16[1:])
+    assert g.layer_shape == (2, 8, 2, 16, 64) and g.layer_nbytes == 2 * 8 * 2 * 16 * 64 * 2
+    assert cache.layout_hints() == LayoutHints(kv_layout="HND")
+    assert small_cache(drv, mla=True, num_heads=1).layout_hints() == LayoutHints()
+
+
+def test_torch_ipc_wrapper_form() -> None:
+    drv = FakeDriver()
+    cache = small_cache(drv, wrapper="torch_ipc")
+    blobs = cache.ipc_wrappers(PROFILE)
+    text = _disassemble(blobs[0].data)
+    assert "CudaIPCWrapper" in text and "RawCudaIPCWrapper" not in text
+    assert "lmcache_mp_no_refcounter" in text
+    with pytest.raises(InvalidArgument):
+        small_cache(drv, wrapper="cupy")  # type: ignore[arg-type]
+
+
+def test_torch_ipc_refused_by_other_profiles() -> None:
+    drv = FakeDriver()
+    cache = small_cache(drv, wrapper="torch_ipc")
+
+    class Other:
+        name = "0.5.6"
+
+    with pytest.raises(ProtocolMismatch):
+        cache.ipc_wrappers(Other())  # type: ignore[arg-type]
+
+
+def _disassemble(data: bytes) -> str:
+    import io
+
+    out = io.StringIO()
+    pickletools.dis(data, out=out)
+    return out.getvalue()
+
+
+# --------------------------------------------------------------- allocation
+def test_allocate_one_malloc_per_layer_and_free_on_close() -> None:
+    drv = FakeDriver()
+    cache = small_cache(drv)
+    assert isinstance(cache, ExportableKVCache)
+    mallocs = [c for c in drv.calls if c[0] == "malloc"]
+    assert len(mallocs) == 3 and all(c[1] == cache.geometry.layer_nbytes for c in mallocs)
+    assert cache.layer_ptrs == list(drv.allocs)
+    assert [e.offset for e in cache.exports] == [0, 0, 0]
+    assert ("sync_device",) in drv.calls  # zero-fill finished before use
+    assert not cache.closed and not cache.unlinked
+    cache.unlink()  # a no-op for CUDA
+    assert drv.freed == [] and not cache.unlinked
+    cache.close()
+    assert cache.closed
+    assert sorted(drv.freed) == sorted(cache.layer_ptrs)
+    cache.close()  # idempotent
+    assert len(drv.freed) == 3
+    with pytest.raises(InvalidArgument, match="closed"):
+        cache.ipc_wrappers(PROFILE)
+    with pytest.raises(InvalidArgument, match="closed"):
+        cache.begin_transfer(None)
+
+
+def test_dropped_cache_frees_its_memory() -> None:
+    drv = FakeDriver()
+    ptrs = small_cache(drv).layer_ptrs
+    gc.collect()
+    assert sorted(drv.freed) == sorted(ptrs)
+
+
+def test_allocate_on_another_device_restores_the_callers_device() -> None:
+    drv = FakeDriver(devices=2)
+    cache = small_cache(drv, device=1)
+    assert drv.device == 0
+    assert all(c[2] == 1 for c in drv.calls if c[0] == "malloc")
+    assert cache.device == 1 and cache.device_uuid.startswith("01")
+    cache.close()
+    assert all(c[2] == 1 for c in drv.calls if c[0] == "free") and drv.device == 0
+
+
+def test_allocate_validates_arguments() -> None:
+    drv = FakeDriver()
+    for kw in ({"num_layers": 0}, {"dtype": "complex64"}, {"mla": True}, {"device": -1},
+               {"block_size": True}):
+        with pytest.raises(InvalidArgument):
+            small_cache(drv, **kw)
+    assert drv.calls == []
+
+
+# ------------------------------------------------------------- export checks
+def test_non_base_pointer_is_refused_with_what_to_do() -> None:
+    drv = FakeDriver()
+    base = drv.add_alloc(1 << 20)
+    with pytest.raises(InvalidArgument) as info:
+        export_allocation(base + 4096, 1024, driver=drv)
+    msg = str(info.value)
+    assert "4096 bytes into its CUDA allocation" in msg
+    assert "CudaKVCache.allocate" in msg and "whole allocation" in msg
+    assert "torch_ipc" in msg
+    # The torch_ipc form carries the offset, so it may export it.
+    exp = export_allocation(base + 4096, 1024, driver=drv, allow_offset=True)
+    assert exp.base == base and exp.offset == 4096 and exp.handle == drv.ipc_get_mem_handle(base)
+
+
+def test_base_pointer_exports() -> None:
+    drv = FakeDriver()
+    base = drv.add_alloc(1 << 20)
+    exp = export_allocation(base, 1 << 20, driver=drv)
+    assert (exp.ptr, exp.base, exp.offset, exp.size, exp.device) == (base, base, 0, 1 << 20, 0)
+    assert len(exp.handle) == IPC_HANDLE_SIZE
+    with pytest.raises(InvalidArgument, match="run past the end"):
+        export_allocation(base, (1 << 20) + 1, driver=drv)
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("vmm", ["cudaIpcGetMemHandle", "expandable_segments:True", "CudaKVCache.allocate"]),
+    ("pool", ["cudaMallocAsync"]),
+])
+def test_vmm_and_pool_memory_is_refused(kind: str, words: list[str]) -> None:
+    drv = FakeDriver()
+    base = drv.add_alloc(1 << 20, kind=kind)
+    with pytest.raises(InvalidArgument) as info:
+        export_allocation(base, 1 << 20, driver=drv)
+    for word in words:
+        assert word in str(info.value)
+    assert not any(c[0] == "ipc_mem" for c in drv.calls)
+
+
+def test_host_and_unknown_pointers_are_refused() -> None:
+    drv = FakeDriver()
+    host = drv.add_alloc(4096, kind="host")
+    with pytest.raises(InvalidArgument, match="not device memory"):
+        export_allocation(host, 4096, driver=drv)
+    with pytest.raises(InvalidArgument, match="not memory CUDA knows"):
+        export_allocation(0x1234, 16, driver=drv)
+    for bad in (0, -5, True, "0x1"):
+        with pytest.raises(InvalidArgument):
+            export_allocation(bad, 16, driver=drv)  # type: ignore[arg-type]
+
+
+def test_missing_context_is_refused_clearly() -> None:
+    drv = FakeDriver()
+    base = drv.add_alloc(4096)
+    drv.context = 0
+    with pytest.raises(CudaError) as info:
+        export_allocation(base, 4096, driver=drv)
+    assert isinstance(info.value, LMCacheMPError)
+    assert "no CUDA context is current" in str(info.value)
+    assert "cudaSetDevice" in str(info.value) and "torch.cuda.set_device" in str(info.value)
+
+
+def test_cache_methods_make_the_primary_context_current() -> None:
+    # A thread that never used CUDA: cudaGetDevice says 0 but nothing is current.
+    drv = FakeDriver()
+    drv.context = 0
+    cache = small_cache(drv)
+    assert drv.set_device_calls and drv.context != 0
+    cache.close()
+
+
+class FakeTensor:
+    """Just what from_torch reads from a torch tensor."""
+
+    class Device:
+        def __init__(self, index: int, type: str = "cuda") -> None:
+            self.type, self.index = type, index
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, FakeTensor.Device) and (self.type, self.index) == (
+                other.type, other.index)
+
+        def __repr__(self) -> str:
+            return f"{self.type}:{self.index}"
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: str = "torch.bfloat16",
+                 device: int = 0, contiguous: bool = True, kind: str = "cuda") -> None:
+        self.ptr, self.shape, self.dtype = ptr, shape, dtype
+        self.device = FakeTensor.Device(device, kind)
+        self.contiguous = contiguous
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def is_contiguous(self) -> bool:
+        return self.contiguous
+
+
+def test_from_torch_checks_bases_and_shapes() -> None:
+    drv = FakeDriver()
+    shape = (2, 4, 2, 16, 64)
+    nbytes = 2 * 4 * 2 * 16 * 64 * 2
+    good = [FakeTensor(drv.add_alloc(nbytes), shape) for _ in range(2)]
+    cache = CudaKVCache.from_torch(good, driver=drv)
+    g = cache.geometry
+    assert (g.num_layers, g.num_blocks, g.num_heads, g.block_size, g.head_dim, g.dtype) == (
+        2, 4, 2, 16, 64, "bfloat16")
+    assert cache.torch_layers == good  # the caller's own tensors
+    cache.close()
+    assert drv.freed == []  # caller-owned memory is never freed by us
+
+    # A tensor carved out of a larger allocation (PyTorch's caching allocator).
+    big = drv.add_alloc(4 * nbytes)
+    carved = [good[0], FakeTensor(big + nbytes, shape)]
+    with pytest.raises(InvalidArgument) as info:
+        CudaKVCache.from_torch(carved, driver=drv)
+    assert "layer 1" in str(info.value) and "into its CUDA allocation" in str(info.value)
+    # ... which the torch_ipc form can carry.
+    ok = CudaKVCache.from_torch(carved, driver=drv, wrapper="torch_ipc")
+    assert [e.offset for e in ok.exports] == [0, nbytes]
+
+    with pytest.raises(InvalidArgument, match="not contiguous"):
+        CudaKVCache.from_torch([FakeTensor(good[0].ptr, shape, contiguous=False)], driver=drv)
+    with pytest.raises(InvalidArgument, match="not a CUDA tensor"):
+        CudaKVCache.from_torch([FakeTensor(good[0].ptr, shape, kind="cpu")], driver=drv)
+    with pytest.raises(InvalidArgument, match="mla=True"):
+        CudaKVCache.from_torch([FakeTensor(good[0].ptr, (4, 16, 64))], driver=drv)
+    with pytest.raises(InvalidArgument, match="differs from layer 0"):
+        CudaKVCache.from_torch([good[0], FakeTensor(good[1].ptr, shape, "torch.float16")],
+                               driver=drv)
+    with pytest.raises(InvalidArgument, match="none"):
+        CudaKVCache.from_torch([], driver=drv)
+    mla = CudaKVCache.from_torch([FakeTensor(drv.add_alloc(4 * 16 * 64 * 2), (4, 16, 64))],
+                                 mla=True, driver=drv)
+    assert mla.geometry.mla and mla.geometry.layer_shape == (4, 16, 64)
+
+
+def test_from_pointers_refuses_memory_of_another_device() -> None:
+    drv = FakeDriver(devices=2)
+    ptr = drv.add_alloc(2 * 8 * 2 * 16 * 64 * 2, device=1)
+    with pytest.raises(InvalidArgument, match="device 1, not device 0"):
+        CudaKVCache.from_pointers([ptr], num_blocks=8, block_size=16, num_heads=2,
+                                  head_dim=64, driver=drv)
+
+
+# ------------------------------------------------------------------- events
+def test_event_flow() -> None:
+    drv = FakeDriver()
+    cache = small_cache(drv)
+    handle, token = cache.begin_transfer(0x99)
+    assert isinstance(handle, bytes) and len(handle) == IPC_HANDLE_SIZE
+    assert isinstance(token, TransferEvent) and not token.destroyed
+    ev = drv.events[token.event]
+    assert ev["recorded_on"] == 0x99 and ev["kind"] == "ours"
+
+    cache.end_transfer(server_handle(1), 0x99, token)
+    assert token.destroyed and ev["destroyed"]
+    assert ("wait", 0x99, server_handle(1)) in drv.calls
+    assert not any(c[0] in ("stream_sync", "event_sync") for c in drv.calls)
+
+    # Each distinct server handle is opened once, however often it comes back.
+    for n in (1, 2, 1, 2, 1):
+        _, tok = cache.begin_transfer(None)
+        cache.end_transfer(server_handle(n), None, tok)
+    assert drv.opened == {server_handle(1): 1, server_handle(2): 1}
+    assert cache.open_server_events == 2
+    assert sum(1 for c in drv.calls if c[0] == "wait") == 6
+
+    opened = [e for e in drv.events.values() if e["kind"] == "opened"]
+    cache.close()
+    assert all(e["destroyed"] for e in opened)
+    assert all(e["destroyed"] for e in drv.events.values())
+
+
+def test_event_wait_host_and_synchronize() -> None:
+    drv = FakeDriver()
+    cache = small_cache(drv, wait_host=True)
+    _, tok = cache.begin_transfer(5)
+    cache.end_transfer(server_handle(3), 5, tok)
+    waits = [c for c in drv.calls if c[0] in ("wait", "stream_sync")]
+    assert waits == [("wait", 5, server_handle(3)), ("stream_sync", 5)]
+    cache.synchronize_server_event(server_handle(3))
+    assert ("event_sync", server_handle(3)) in drv.calls
+    assert drv.opened[server_handle(3)] == 1
+    cache.synchronize()
+    assert drv.calls[-1] == ("stream_sync", 0)
+
+
+def test_bad_server_event_destroys_our_event_and_says_why() -> None:
+    drv = FakeDriver()
+    cache = small_cache(drv)
+    _, tok = cache.begin_transfer(None)
+    with pytest.raises(CudaError, match="not running in GPU mode"):
+        cache.end_transfer(b"stub_ipc_handle", None, tok)
+    assert tok.destroyed
+
+
+def test_unanswered_transfer_event_is_destroyed_when_dropped() -> None:
+    drv = FakeDriver()
+    cache = small_cache(drv)
+    _, tok = cache.begin_transfer(None)
+    ev = drv.events[tok.event]
+    del tok
+    gc.collect()
+    assert ev["destroyed"]
+    cache.close()
+
+
+def test_server_event_cache_is_bounded() -> None:
+    from lmcache_mp.ipc import cuda as cuda_mod
+
+    drv = FakeDriver()
+    cache = small_cache(drv)
+    limit = cuda_mod._MAX_OPEN_SERVER_EVENTS
+    for n in range(limit + 10):
+        _, tok = cache.begin_transfer(None)
+        cache.end_transfer(n.to_bytes(4, "little") * 16, None, tok)
+    assert cache.open_server_events == limit
+    opened = [e for e in drv.events.values() if e["kind"] == "opened"]
+    assert sum(e["destroyed"] for e in opened) == 10
+    cache.close()
+
+
+def test_events_use_the_caches_device() -> None:
+    drv = FakeDriver(devices=2)
+    cache = small_cache(drv, device=1)
+    _, tok = cache.begin_transfer(None)
+    assert drv.events[tok.event]["device"] == 1 and drv.device == 0
+    cache.end_transfer(server_handle(1), None, tok)
+    assert drv.device == 0
+
+
+# ------------------------------------------------------------ import hygiene
+def test_importing_the_package_loads_neither_torch_nor_cuda() -> None:
+    code = ("import lmcache_mp, sys; "
+            "assert 'torch' not in sys.modules, 'torch'; "
+            "bad = [m for m in sys.modules if m == 'cuda' or m.startswith('cuda.')]; "
+            "assert not bad, bad; "
+            "import lmcache_mp.ipc.cuda, lmcache_mp.doctor; "
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('cuda')]; "
+            "assert not bad, ('importing the CUDA module must stay lazy', bad)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ------------------------------------------------------------------- doctor
+def test_doctor_on_this_machine_does_not_raise() -> None:
+    from lmcache_mp.doctor import format_report, run_doctor
+
+    rows = run_doctor(None, 1.0)
+    names = [name for name, _, _ in rows]
+    assert "/dev/shm" in names and "server" in names
+    report = format_report(rows)
+    cuda_rows = {name: (result, ok) for name, result, ok in rows if name.startswith("CUDA")}
+    try:
+        from lmcache_mp.ipc.cuda import CudaBindingsDriver
+
+        drv = CudaBindingsDriver()
+        has_gpu = drv.driver_version() > 0 and drv.device_count() > 0
+    except LMCacheMPError:
+        has_gpu = False
+    if not has_gpu:
+        result, ok = cuda_rows["CUDA"]
+        assert result.startswith("absent (") and not ok, report
+    else:
+        assert any(n.startswith("IPC memory handle") and ok for n, _, ok in rows), report
+
+
+def test_doctor_without_a_driver_or_device() -> None:
+    from lmcache_mp.doctor import run_doctor
+
+    class NoDriver(FakeDriver):
+        def driver_version(self) -> int:
+            return 0
+
+    class NoDevice(FakeDriver):
+        def device_count(self) -> int:
+            raise CudaError("cudaGetDeviceCount failed: cudaErrorNoDevice (100)", code=100)
+
+    rows = {n: (r, ok) for n, r, ok in run_doctor(None, 1.0, driver=NoDriver())}
+    assert rows["CUDA"][0].startswith("absent (") and "no NVIDIA driver" in rows["CUDA"][0]
+    rows = {n: (r, ok) for n, r, ok in run_doctor(None, 1.0, driver=NoDevice())}
+    assert rows["CUDA"][0].startswith("absent (") and "cudaErrorNoDevice" in rows["CUDA"][0]
+    assert "/dev/shm" in rows
+
+
+def test_doctor_with_a_fake_gpu_probes_ipc() -> None:
+    from lmcache_mp.doctor import run_doctor
+
+    drv = FakeDriver()
+    rows = {n: (r, ok) for n, r, ok in run_doctor(None, 1.0, driver=drv)}
+    assert rows["CUDA"] == ("1 device(s)", True)
+    assert rows["device 0"][0].startswith("Fake GPU 0, uuid 002e3d4c-5b6a-7988")
+    assert rows["IPC memory handle (device 0)"][1] and rows["IPC event handle (device 0)"][1]
+    assert rows["CUDA driver"][0] == "13.0 (13000)"
+    # The probe released what it made.
+    assert sorted(drv.freed) == sorted(drv.allocs)
+    assert all(e["destroyed"] for e in drv.events.values())
+
+
+def test_doctor_server_check_and_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmcache_mp.doctor import main_doctor
+
+    assert main_doctor(None, 0.5) == 0
+    out = capsys.readouterr().out
+    assert "server" in out and "not checked" in out
+    # Nothing listens on this port: the requested check fails, and so does the exit code.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main_doctor(f"tcp://127.0.0.1:{port}", 0.3) == 1
+    out = capsys.readouterr().out
+    assert "did not answer" in out
+
+
+# ------------------------------------------------------------ the GPU scripts
+def test_gpu_scripts_parse_and_refuse_without_a_gpu() -> None:
+    for script in ("gpu_check.sh", "fetch_gpu_wheels.sh"):
+        proc = subprocess.run(["bash", "-n", str(REPO / "scripts" / script)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is present: gpu_check.py would really run")
+    except ImportError:
+        pass
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"),
+                           "--url", "tcp://127.0.0.1:1"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert "no GPU here" in proc.stderr and "nothing was run" in proc.stderr
