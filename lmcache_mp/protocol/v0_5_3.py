@@ -39,18 +39,23 @@ class CacheKeyV053(msgspec.Struct, frozen=True):
     cache_salt: str = ""
 
 
+def key_fields(key: Any, worker_id: int | None) -> dict[str, Any]:
+    """The eight 0.5.3 key fields of a public CacheKey, for this and later families."""
+    return {
+        "model_name": key.model_name,
+        "world_size": key.world_size,
+        "worker_id": worker_id,
+        "token_ids": key.token_ids,
+        "start": key.start,
+        "end": key.end,
+        "request_id": key.request_id,
+        "cache_salt": key.cache_salt,
+    }
+
+
 def build_key(key: Any, worker_id: int | None, num_kv_readers: int = 1) -> CacheKeyV053:
     # 0.5.3 has no num_kv_readers: extra readers travel as LOOKUP's tp_size payload.
-    return CacheKeyV053(
-        model_name=key.model_name,
-        world_size=key.world_size,
-        worker_id=worker_id,
-        token_ids=key.token_ids,
-        start=key.start,
-        end=key.end,
-        request_id=key.request_id,
-        cache_salt=key.cache_salt,
-    )
+    return CacheKeyV053(**key_fields(key, worker_id))
 
 
 def wrap_cpu_shm(

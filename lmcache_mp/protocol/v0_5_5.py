@@ -18,66 +18,35 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
 from .core_ops import core_operations
 from .operations import Profile
-from .types import U32, WireInt, WrapperBlob
-from .v0_5_3 import wrap_cpu_shm
+from .types import EngineGroupInfo, RegisterEngineDrivenContextPayload, WireInt, WrapperBlob
+from .v0_5_3 import CacheKeyV053, key_fields, wrap_cpu_shm
 
 __all__ = ["PROFILE", "CacheKeyV055", "EngineGroupInfoV055",
            "RegisterEngineDrivenContextPayloadV055"]
 
 
-class CacheKeyV055(msgspec.Struct, frozen=True):
-    """``IPCCacheServerKey`` of 0.5.5 and 0.5.6: ten fields, in this order."""
+class CacheKeyV055(CacheKeyV053, frozen=True):
+    """``IPCCacheServerKey`` of 0.5.5 and 0.5.6: 0.5.3's eight fields, then two more
+    (msgspec puts a subclass's fields after its base's, as the wire order needs)."""
 
-    model_name: str
-    world_size: WireInt
-    worker_id: WireInt | None
-    token_ids: tuple[U32, ...]
-    start: WireInt
-    end: WireInt
-    request_id: str
-    cache_salt: str = ""
     request_configs: dict[str, Any] | None = None
     num_kv_readers: WireInt = 0
 
 
-class EngineGroupInfoV055(msgspec.Struct, frozen=True):
-    engine_group_id: WireInt
-    layer_indices: tuple[WireInt, ...] = ()
-    tokens_per_block: WireInt = 0
-    sw_size_tokens: WireInt = -1
+class EngineGroupInfoV055(EngineGroupInfo, frozen=True):
     extra_object_group_tag: WireInt = 0
     recurrent_state: bool = False
 
 
-class RegisterEngineDrivenContextPayloadV055(msgspec.Struct, frozen=True):
-    instance_id: WireInt
-    model_name: str
-    world_size: WireInt
-    block_size: WireInt
-    num_layers: WireInt
-    hidden_dim_size: WireInt
-    dtype_str: str
-    use_mla: bool
+class RegisterEngineDrivenContextPayloadV055(RegisterEngineDrivenContextPayload, frozen=True):
     num_physical_slots: WireInt | None = None
 
 
 def build_key(key: Any, worker_id: int | None, num_kv_readers: int = 1) -> CacheKeyV055:
     # Every key carries its reader count, as LMCache's own vLLM adapter sends it.
-    return CacheKeyV055(
-        model_name=key.model_name,
-        world_size=key.world_size,
-        worker_id=worker_id,
-        token_ids=key.token_ids,
-        start=key.start,
-        end=key.end,
-        request_id=key.request_id,
-        cache_salt=key.cache_salt,
-        num_kv_readers=num_kv_readers,
-    )
+    return CacheKeyV055(**key_fields(key, worker_id), num_kv_readers=num_kv_readers)
 
 
 def wrap_cuda(
