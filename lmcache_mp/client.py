@@ -124,7 +124,8 @@ class Client:
     ) -> dict[str, list[bytes] | None]:
         """Send probe frames in order; wait for ``until``; collect whatever else is in."""
         for name, frames in batch:
-            pending[name] = self._transport.submit(frames, timeout, f"probe {name}")
+            pending[name] = self._transport.submit(frames, timeout,
+                                                   f"the protocol probe ({name})")
         target = pending.get(until)
         if target is not None:
             self._transport.wait_for(target, timeout)
