@@ -228,11 +228,16 @@ class Client:
         return list(self._call("GET_EXPERIMENTAL", (), timeout))
 
     # ------------------------------------------------------------------ lookup
+    def _all_ranks_payloads(self, key: CacheKey, tp_size: int) -> tuple[Any, int]:
+        """LOOKUP / FREE_LOOKUP_LOCKS payloads: the key for every rank (worker_id nil),
+        with the reader count in the key (0.5.5+) and as ``tp_size`` (0.5.3)."""
+        wire = self.profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
+        return wire, tp_size
+
     def submit_lookup_async(
         self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None
     ) -> ReplyFuture[None]:
-        wire = self.profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
-        return self._request("LOOKUP", (wire, tp_size), timeout)
+        return self._request("LOOKUP", self._all_ranks_payloads(key, tp_size), timeout)
 
     def submit_lookup(self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None) -> None:
         """Send LOOKUP for the whole of ``key.token_ids`` and wait for its acknowledgement.
@@ -243,8 +248,7 @@ class Client:
         a RETRIEVE or :meth:`free_lookup_locks` releases them (or a 300 s TTL).
         ``tp_size`` adds readers for MLA; send the same value to free_lookup_locks.
         """
-        wire = self.profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
-        self._call("LOOKUP", (wire, tp_size), timeout)
+        self._call("LOOKUP", self._all_ranks_payloads(key, tp_size), timeout)
 
     def query_prefetch_status_async(
         self, request_id: str, *, timeout: float | None = None
@@ -298,16 +302,14 @@ class Client:
     def free_lookup_locks_async(
         self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None
     ) -> ReplyFuture[None]:
-        wire = self.profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
-        return self._request("FREE_LOOKUP_LOCKS", (wire, tp_size), timeout)
+        return self._request("FREE_LOOKUP_LOCKS", self._all_ranks_payloads(key, tp_size), timeout)
 
     def free_lookup_locks(
         self, key: CacheKey, tp_size: int = 1, *, timeout: float | None = None
     ) -> None:
         """Release the read locks a LOOKUP took on chunks in ``[key.start, key.end)``
         that will not be retrieved (all ranks). Use the LOOKUP's ``tp_size``."""
-        wire = self.profile.build_key(_key(key), None, kv_readers(tp_size, key.world_size))
-        self._call("FREE_LOOKUP_LOCKS", (wire, tp_size), timeout)
+        self._call("FREE_LOOKUP_LOCKS", self._all_ranks_payloads(key, tp_size), timeout)
 
     def end_session_async(
         self, request_id: str, *, timeout: float | None = None

@@ -30,7 +30,6 @@ class FakeRouter:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"tcp://127.0.0.1:{self.port}")
         self.stop_flag = threading.Event()
-        self.held: list[list[bytes]] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 

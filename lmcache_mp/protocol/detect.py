@@ -26,21 +26,19 @@ import msgspec
 
 from ..errors import ProtocolMismatch, RequestTimeout
 
-__all__ = ["Detection", "detect", "Exchange", "PROBE_OPS"]
+__all__ = ["Detection", "detect", "Exchange"]
 
 # (name, frames after the uid); a reply is its frames after the uid, or None.
 Exchange = Callable[[Sequence[tuple[str, list[bytes]]], str, float], Mapping[str, "list[bytes] | None"]]
 
 _enc = msgspec.msgpack.encode
 
-# The only op ids the probe ever sends, and what each means on the families it knows.
-PROBE_OPS = {
-    2: "UNREGISTER_KV_CACHE in every release (an unknown instance: a no-op ack, SYNC)",
-    21: "GET_CHUNK_SIZE from 0.5.3 (NOOP in 0.5.0, a blend op in 0.4.7)",
-    32: "GET_EXPERIMENTAL from 0.5.5 (an unregistered blend op in 0.5.3/0.5.4)",
-    11: "QUERY_PREFETCH_LOOKUP_HITS up to 0.5.5 (retired in 0.5.6)",
-    22: "PING from 0.5.3 (NORMAL pool, like id 11)",
-}
+# The only op ids the probe ever sends, and what each means on the families it knows:
+#   2  UNREGISTER_KV_CACHE in every release (an unknown instance: a no-op ack, SYNC)
+#   21 GET_CHUNK_SIZE from 0.5.3 (NOOP in 0.5.0, a blend op in 0.4.7)
+#   32 GET_EXPERIMENTAL from 0.5.5 (an unregistered blend op in 0.5.3/0.5.4)
+#   11 QUERY_PREFETCH_LOOKUP_HITS up to 0.5.5 (retired in 0.5.6)
+#   22 PING from 0.5.3 (NORMAL pool, like id 11)
 
 
 @dataclass(frozen=True)
