@@ -220,8 +220,7 @@ class Client:
     def clear(self, *, force: bool = True, timeout: float | None = None) -> None:
         """CLEAR: drop cached objects on the server. Servers up to 0.5.5 always force
         (``force`` is not sent); 0.5.6 takes it as its payload."""
-        takes_force = len(self.profile.op("CLEAR").payloads) == 1
-        self._call("CLEAR", (bool(force),) if takes_force else (), timeout)
+        self._call("CLEAR", self.profile.clear_payloads(force), timeout)
 
     def get_experimental(self, *, timeout: float | None = None) -> list[str]:
         """The experimental transfer features the server was started with."""
@@ -393,13 +392,10 @@ class Client:
         """
         reg = self._new_registration("lmcache_driven", kv_cache, instance_id, model_name,
                                      world_size, worker_id, engine_group_infos, timeout)
-        blobs = kv_cache.ipc_wrappers(self.profile)
-        self._call(
-            "REGISTER_KV_CACHE",
-            (instance_id, blobs, model_name, world_size, "vllm", kv_cache.layout_hints(),
-             list(reg.groups)),
-            timeout,
-        )
+        payloads = self.profile.register_payloads(
+            instance_id, kv_cache.export_layers(), model_name, world_size, kv_cache.kv_layout,
+            reg.groups)
+        self._call("REGISTER_KV_CACHE", payloads, timeout)
         self._registrations[instance_id] = reg
 
     def unregister_kv_cache(
@@ -620,11 +616,7 @@ class Client:
         g = reg.cache.geometry
         expect = ([g.num_layers, reg.chunk_size, g.hidden_dim] if g.mla
                   else [2, g.num_layers, reg.chunk_size, g.hidden_dim])
-        try:
-            offset, length, shape, dtype = (int(slot["offset"]), int(slot["length"]),
-                                            list(slot["shape"]), str(slot["dtype"]))
-        except (KeyError, TypeError, ValueError):
-            raise ProtocolMismatch(f"unreadable slot descriptor from the server: {slot!r}") from None
+        offset, length, shape, dtype = slot.offset, slot.length, slot.shape, slot.dtype
         nbytes = int(np.prod(expect)) * g.itemsize
         # MLA objects stored through REGISTER_KV_CACHE carry a leading kv_size of 1:
         # same bytes, one more dimension.
@@ -666,8 +658,8 @@ class Client:
         reg, ids, per_chunk = self._engine_driven_ids("PREPARE_STORE", key, block_ids, instance_id)
         wire = self.profile.build_key(key, reg.worker_for(key), 1)
         prepared: PrepareStoreResponse = self._call("PREPARE_STORE", (wire, instance_id), timeout)
-        slots = prepared.context.get("slots") or []
-        chunk_indices = prepared.context.get("chunk_indices") or []
+        slots = prepared.context.slots
+        chunk_indices = prepared.context.chunk_indices
         if not slots:
             return True
         if len(slots) != len(chunk_indices):
@@ -701,7 +693,7 @@ class Client:
         if not prepared.success:
             return False
         try:
-            slots = prepared.context.get("slots") or []
+            slots = prepared.context.slots
             if len(slots) != len(ids) // per_chunk:
                 raise ProtocolMismatch(f"PREPARE_RETRIEVE returned {len(slots)} slots for "
                                        f"{len(ids) // per_chunk} chunks")

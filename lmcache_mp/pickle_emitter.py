@@ -48,7 +48,8 @@ __all__ = [
     "emit_cuda_ipc_wrapper",
 ]
 
-#: Templates shipped in ``lmcache_mp/pickle_templates`` (file stem = name). A fixed list,
+#: Templates shipped in ``pickle_templates/`` (installed as ``lmcache_mp.pickle_templates``;
+#: file stem = name). A fixed list,
 #: so a template name from a caller can never become a path.
 TEMPLATE_NAMES: tuple[str, ...] = (
     "v0_5_3_cpu_shm", "v0_5_3_raw_cuda", "v0_5_3_cuda_ipc", "v0_5_5_raw_cuda",
@@ -346,7 +347,7 @@ def load_template(name: str) -> Template:
         raise InvalidArgument(
             f"unknown pickle template {name!r}; use one of {', '.join(TEMPLATE_NAMES)}"
         )
-    ref = resources.files("lmcache_mp") / "pickle_templates" / f"{name}.json"
+    ref = resources.files("lmcache_mp.pickle_templates") / f"{name}.json"
     raw: Any = json.loads(ref.read_text(encoding="utf-8"))
     if not isinstance(raw, dict) or raw.get("format") != 1 or raw.get("name") != name:
         raise _template_error(name, "expected a format-1 object with a matching name")

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from lmcache_mp.errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
-from lmcache_mp.ipc.base import ExportableKVCache
+from lmcache_mp.ipc.base import CudaLayerExport, ExportableKVCache
 from lmcache_mp.ipc.cuda import (
     IPC_HANDLE_SIZE,
     CudaError,
@@ -36,8 +36,9 @@ from lmcache_mp.ipc.cuda import (
     uuid_bytes,
     write_handle_bytes,
 )
-from lmcache_mp.protocol import get_profile
-from lmcache_mp.protocol.types import LayoutHints
+from lmcache_mp.pickle_emitter import emit_raw_cuda_wrapper
+from lmcache_mp.protocol import Profile, get_profile
+from lmcache_mp.protocol.types import WrapperBlob
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = json.loads((REPO / "fixtures" / "v0.5.3" / "pickles.json").read_text())
@@ -306,34 +307,41 @@ def test_stream_handle_forms() -> None:
                          ids=lambda c: f"raw_cuda-{RAW_CASES.index(c)}")
 def test_profile_wrap_cuda_is_byte_identical_to_lmcache(case: dict[str, Any]) -> None:
     f = case["fields"]
-    blob = PROFILE.wrap_cuda(
-        bytes.fromhex(f["_ipc_handle_reserved"]["$bytes"]), f["_nbytes"], f["dtype"],
-        tuple(f["shape"]), tuple(f["stride"]), f["device_uuid"])
+    record = CudaLayerExport(
+        ipc_handle=bytes.fromhex(f["_ipc_handle_reserved"]["$bytes"]), nbytes=f["_nbytes"],
+        alloc_offset=0, dtype=f["dtype"], shape=tuple(f["shape"]), stride=tuple(f["stride"]),
+        device_index=0, device_uuid=f["device_uuid"])
+    (blob,) = PROFILE.wrappers.encode([record], "0.5.3")
     assert blob.data.hex() == case["pickle"]
+
+
+def wrappers(cache: CudaKVCache, profile: Profile = PROFILE) -> list[WrapperBlob]:
+    return profile.wrappers.encode(cache.export_layers(), profile.name)
 
 
 def test_cache_wrappers_are_raw_cuda_pickles() -> None:
     drv = FakeDriver()
     cache = small_cache(drv)
     g = cache.geometry
-    blobs = cache.ipc_wrappers(PROFILE)
+    blobs = wrappers(cache)
     assert len(blobs) == g.num_layers
     for blob, exp in zip(blobs, cache.exports, strict=True):
-        expected = PROFILE.wrap_cuda(exp.handle, g.layer_nbytes, "bfloat16", g.layer_shape,
-                                     g.layer_strides, cache.device_uuid)
-        assert blob.data == expected.data
+        expected = emit_raw_cuda_wrapper(
+            ipc_handle=exp.handle, nbytes=g.layer_nbytes, dtype="bfloat16", shape=g.layer_shape,
+            stride=g.layer_strides, device_uuid=cache.device_uuid)
+        assert blob.data == expected
         text = _disassemble(blob.data)
         assert "RawCudaIPCWrapper" in text and cache.device_uuid in text
     assert cache.device_uuid == torch_uuid_string(b"\x00" + UUID16[1:])
     assert g.layer_shape == (2, 8, 2, 16, 64) and g.layer_nbytes == 2 * 8 * 2 * 16 * 64 * 2
-    assert cache.layout_hints() == LayoutHints(kv_layout="HND")
-    assert small_cache(drv, mla=True, num_heads=1).layout_hints() == LayoutHints()
+    assert cache.kv_layout == "HND"
+    assert small_cache(drv, mla=True, num_heads=1).kv_layout is None
 
 
 def test_torch_ipc_wrapper_form() -> None:
     drv = FakeDriver()
     cache = small_cache(drv, wrapper="torch_ipc")
-    blobs = cache.ipc_wrappers(PROFILE)
+    blobs = wrappers(cache)
     text = _disassemble(blobs[0].data)
     assert "CudaIPCWrapper" in text and "RawCudaIPCWrapper" not in text
     assert "lmcache_mp_no_refcounter" in text
@@ -345,11 +353,8 @@ def test_torch_ipc_refused_by_other_profiles() -> None:
     drv = FakeDriver()
     cache = small_cache(drv, wrapper="torch_ipc")
 
-    class Other:
-        name = "0.5.6"
-
-    with pytest.raises(ProtocolMismatch):
-        cache.ipc_wrappers(Other())  # type: ignore[arg-type]
+    with pytest.raises(ProtocolMismatch, match="torch_ipc"):
+        wrappers(cache, get_profile("0.5.6"))
 
 
 def _disassemble(data: bytes) -> str:
@@ -379,7 +384,7 @@ def test_allocate_one_malloc_per_layer_and_free_on_close() -> None:
     cache.close()  # idempotent
     assert len(drv.freed) == 3
     with pytest.raises(InvalidArgument, match="closed"):
-        cache.ipc_wrappers(PROFILE)
+        cache.export_layers()
     with pytest.raises(InvalidArgument, match="closed"):
         cache.begin_transfer(None)
 

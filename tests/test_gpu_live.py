@@ -95,7 +95,8 @@ def test_allocate_and_export(cache: Any) -> None:
         assert exp.offset == 0 and exp.size >= cache.geometry.layer_nbytes
         assert len(exp.handle) == 64 and any(exp.handle)
     assert cache.device_uuid == get_driver().device_info(0).uuid
-    blobs = cache.ipc_wrappers(get_profile("0.5.3"))
+    profile = get_profile("0.5.3")
+    blobs = profile.wrappers.encode(cache.export_layers(), "0.5.3")
     assert len(blobs) == 2 and b"RawCudaIPCWrapper" in blobs[0].data
 
 

@@ -283,7 +283,7 @@ def test_generic_emit_rejects_bad_templates_and_fields() -> None:
 
 
 def test_templates_ship_and_match_the_lmcache_init_order() -> None:
-    shipped = {p.stem for p in (REPO / "lmcache_mp" / "pickle_templates").glob("*.json")}
+    shipped = {p.stem for p in (REPO / "pickle_templates").glob("*.json")}
     assert shipped == set(TEMPLATE_NAMES)
     order = {
         "v0_5_3_cpu_shm": ["shm_name", "nbytes", "handle", "dtype", "shape", "stride",

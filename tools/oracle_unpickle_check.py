@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "lmcache_mp" / "pickle_templates"
+TEMPLATES = Path(__file__).resolve().parent.parent / "pickle_templates"
 
 
 def untag(value: Any) -> Any:

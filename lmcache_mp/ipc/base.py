@@ -1,24 +1,135 @@
 """What the client needs from a KV cache it registers, whatever memory backs it.
 
-:class:`~lmcache_mp.ipc.cpu_cache.CpuKVCache` (POSIX SHM) and the CUDA cache
-(:mod:`lmcache_mp.ipc.cuda`, imported only when used) both implement this.
+The memory layer never imports :mod:`lmcache_mp.protocol`: a cache describes each
+layer tensor with a plain *export record* (:class:`ShmLayerExport`,
+:class:`CudaLayerExport`), and the server's protocol profile turns those records into
+its wire format (pickled wrappers or descriptors). :class:`~lmcache_mp.ipc.cpu_cache.
+CpuKVCache` (POSIX SHM) and the CUDA cache (:mod:`lmcache_mp.ipc.cuda`, imported only
+when used) both implement :class:`ExportableKVCache`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from ..protocol.operations import Profile
-    from ..protocol.types import LayoutHints, WrapperBlob
-    from .cpu_cache import KVGeometry
+import numpy as np
 
-__all__ = ["ExportableKVCache"]
+__all__ = [
+    "STORAGE_DTYPES",
+    "KVGeometry",
+    "KVLayout",
+    "ShmLayerExport",
+    "CudaLayerExport",
+    "LayerExport",
+    "ExportableKVCache",
+]
+
+# torch dtype name -> (numpy dtype that holds the same bytes, itemsize). numpy has no
+# bfloat16 or float8: their layers are exposed as raw unsigned ints of the same width
+# (use .torch_layers for typed access).
+STORAGE_DTYPES: dict[str, tuple[Any, int]] = {
+    "float16": (np.float16, 2),
+    "bfloat16": (np.uint16, 2),
+    "float32": (np.float32, 4),
+    "float64": (np.float64, 8),
+    "float8_e4m3fn": (np.uint8, 1),
+    "float8_e5m2": (np.uint8, 1),
+    "int8": (np.int8, 1),
+    "uint8": (np.uint8, 1),
+    "int16": (np.int16, 2),
+    "int32": (np.int32, 4),
+}
+
+#: The order of the head and token axes of a paged layer: HND ``[2, blocks, heads,
+#: block_size, head_dim]`` or NHD ``[2, blocks, block_size, heads, head_dim]``.
+KVLayout = Literal["HND", "NHD"]
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of a paged KV cache, as the server will see it."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_dim: int
+    dtype: str
+    mla: bool
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        if self.mla:
+            return (self.num_blocks, self.block_size, self.head_dim)
+        return (2, self.num_blocks, self.num_heads, self.block_size, self.head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return int(STORAGE_DTYPES[self.dtype][1])
+
+    @property
+    def layer_nbytes(self) -> int:
+        return int(np.prod(self.layer_shape)) * self.itemsize
+
+    @property
+    def layer_strides(self) -> tuple[int, ...]:
+        """Contiguous strides in elements, as torch reports them."""
+        strides, acc = [], 1
+        for d in reversed(self.layer_shape):
+            strides.append(acc)
+            acc *= d
+        return tuple(reversed(strides))
+
+    @property
+    def hidden_dim(self) -> int:
+        """Elements per token per plane: ``num_heads * head_dim`` (MLA: ``head_dim``)."""
+        return self.head_dim if self.mla else self.num_heads * self.head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        return 1 if self.mla else 2
+
+
+@dataclass(frozen=True)
+class ShmLayerExport:
+    """One layer tensor in a POSIX shared-memory segment (offset 0, contiguous)."""
+
+    shm_name: str  # with the leading slash, as shm_open takes it
+    nbytes: int
+    dtype: str  # torch dtype name
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # in elements
+
+
+@dataclass(frozen=True)
+class CudaLayerExport:
+    """One layer tensor in GPU memory, exported with ``cudaIpcGetMemHandle``.
+
+    ``ipc_handle`` names the whole allocation (it maps at its base); the tensor starts
+    ``alloc_offset`` bytes into it. ``form`` is the wrapper the caller asked for
+    (``"raw"``: LMCache's RawCudaIPCWrapper / ``cuda_raw`` descriptor; ``"torch_ipc"``:
+    LMCache's CudaIPCWrapper, torch's storage-sharing tuple); the profile refuses a form
+    its servers cannot open.
+    """
+
+    ipc_handle: bytes
+    nbytes: int
+    alloc_offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    device_index: int
+    device_uuid: str  # torch form: lower-case 8-4-4-4-12 hex
+    form: Literal["raw", "torch_ipc"] = "raw"
+
+
+LayerExport = ShmLayerExport | CudaLayerExport
 
 
 @runtime_checkable
 class ExportableKVCache(Protocol):
-    """A paged KV cache the server can map (one IPC wrapper per layer tensor)."""
+    """A paged KV cache the server can map (one export record per layer tensor)."""
 
     geometry: KVGeometry
 
@@ -30,12 +141,13 @@ class ExportableKVCache(Protocol):
         """True once the cache can no longer be registered (e.g. SHM names removed)."""
         ...
 
-    def ipc_wrappers(self, profile: Profile) -> list[WrapperBlob]:
-        """One serialised wrapper per layer, in the profile's wrapper format."""
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        """The layout of the 5-D layers (None for MLA, which has no head axis)."""
         ...
 
-    def layout_hints(self) -> LayoutHints:
-        """The REGISTER_KV_CACHE layout hint describing this cache's layers."""
+    def export_layers(self) -> list[LayerExport]:
+        """One export record per layer, in layer order."""
         ...
 
     def begin_transfer(self, stream: Any) -> tuple[bytes, Any]:

@@ -13,86 +13,16 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..checks import positive_int
 from ..errors import InvalidArgument
-from ..protocol.types import LayoutHints, WrapperBlob
+from .base import STORAGE_DTYPES, KVGeometry, KVLayout, LayerExport, ShmLayerExport
 from .shm import ShmSegment
 
-if TYPE_CHECKING:
-    from ..protocol.operations import Profile
-
 __all__ = ["CpuKVCache", "KVGeometry", "STORAGE_DTYPES"]
-
-# torch dtype name -> (numpy dtype that holds the same bytes, itemsize). numpy has no
-# bfloat16 or float8: their layers are exposed as raw unsigned ints of the same width
-# (use .torch_layers for typed access).
-STORAGE_DTYPES: dict[str, tuple[Any, int]] = {
-    "float16": (np.float16, 2),
-    "bfloat16": (np.uint16, 2),
-    "float32": (np.float32, 4),
-    "float64": (np.float64, 8),
-    "float8_e4m3fn": (np.uint8, 1),
-    "float8_e5m2": (np.uint8, 1),
-    "int8": (np.int8, 1),
-    "uint8": (np.uint8, 1),
-    "int16": (np.int16, 2),
-    "int32": (np.int32, 4),
-}
-
-
-def _positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidArgument(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """The shape of a paged KV cache, as the server will see it."""
-
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_heads: int
-    head_dim: int
-    dtype: str
-    mla: bool
-
-    @property
-    def layer_shape(self) -> tuple[int, ...]:
-        if self.mla:
-            return (self.num_blocks, self.block_size, self.head_dim)
-        return (2, self.num_blocks, self.num_heads, self.block_size, self.head_dim)
-
-    @property
-    def itemsize(self) -> int:
-        return STORAGE_DTYPES[self.dtype][1]
-
-    @property
-    def layer_nbytes(self) -> int:
-        return int(np.prod(self.layer_shape)) * self.itemsize
-
-    @property
-    def layer_strides(self) -> tuple[int, ...]:
-        """Contiguous strides in elements, as torch reports them."""
-        strides, acc = [], 1
-        for d in reversed(self.layer_shape):
-            strides.append(acc)
-            acc *= d
-        return tuple(reversed(strides))
-
-    @property
-    def hidden_dim(self) -> int:
-        """Elements per token per plane: ``num_heads * head_dim`` (MLA: ``head_dim``)."""
-        return self.head_dim if self.mla else self.num_heads * self.head_dim
-
-    @property
-    def kv_planes(self) -> int:
-        return 1 if self.mla else 2
 
 
 def _release(segments: Sequence[ShmSegment]) -> None:
@@ -134,11 +64,11 @@ class CpuKVCache:
                 f"dtype {dtype!r} is not supported; use one of {', '.join(STORAGE_DTYPES)}"
             )
         geometry = KVGeometry(
-            _positive("num_layers", num_layers),
-            _positive("num_blocks", num_blocks),
-            _positive("block_size", block_size),
-            _positive("num_heads", num_heads),
-            _positive("head_dim", head_dim),
+            positive_int("num_layers", num_layers),
+            positive_int("num_blocks", num_blocks),
+            positive_int("block_size", block_size),
+            positive_int("num_heads", num_heads),
+            positive_int("head_dim", head_dim),
             dtype,
             bool(mla),
         )
@@ -185,17 +115,16 @@ class CpuKVCache:
         return not self._finalizer.alive
 
     # ------------------------------------------------- ExportableKVCache
-    def ipc_wrappers(self, profile: Profile) -> list[WrapperBlob]:
+    def export_layers(self) -> list[LayerExport]:
         g = self.geometry
-        return [
-            profile.wrap_cpu_shm(name, g.layer_nbytes, g.dtype, g.layer_shape, g.layer_strides)
-            for name in self.segment_names
-        ]
+        return [ShmLayerExport(name, g.layer_nbytes, g.dtype, g.layer_shape, g.layer_strides)
+                for name in self.segment_names]
 
-    def layout_hints(self) -> LayoutHints:
-        # Say HND explicitly: CPU servers up to 0.5.4 assume it anyway, later ones
-        # honour the hint. MLA layers have no head axis to order.
-        return LayoutHints() if self.geometry.mla else LayoutHints(kv_layout="HND")
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        # Said explicitly at registration: CPU servers up to 0.5.4 assume HND anyway,
+        # later ones honour the hint. MLA layers have no head axis to order.
+        return None if self.geometry.mla else "HND"
 
     def begin_transfer(self, stream: Any) -> tuple[bytes, Any]:
         # A CPU server ignores the event handle and copies synchronously.

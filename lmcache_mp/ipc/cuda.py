@@ -43,14 +43,10 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
-from ..errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
-from ..protocol.types import LayoutHints, WrapperBlob
-from .cpu_cache import STORAGE_DTYPES, KVGeometry
-
-if TYPE_CHECKING:
-    from ..protocol.operations import Profile
+from ..errors import InvalidArgument, LMCacheMPError
+from .base import STORAGE_DTYPES, CudaLayerExport, KVGeometry, KVLayout, LayerExport
 
 __all__ = [
     "IPC_HANDLE_SIZE",
@@ -83,11 +79,6 @@ CU_MEMORYTYPE_DEVICE = 2
 # every request; the driver recycles IPC event slots, so the set stays small, but the
 # cache is bounded in case it does not.
 _MAX_OPEN_SERVER_EVENTS = 256
-
-# The torch_ipc form names a ref-counter file that torch only opens, best effort, when
-# the server frees its view; a name that cannot exist makes that a silent no-op (a real
-# file of another process would have its counter decremented).
-_NO_REFCOUNTER = b"/lmcache_mp_no_refcounter_file"
 
 WrapperFormat = Literal["raw", "torch_ipc"]
 
@@ -871,37 +862,21 @@ class CudaKVCache:
             raise InvalidArgument("this CudaKVCache is closed; allocate a new one")
 
     # ------------------------------------------------ ExportableKVCache
-    def ipc_wrappers(self, profile: Profile) -> list[WrapperBlob]:
+    def export_layers(self) -> list[LayerExport]:
         self._check_open()
         g = self.geometry
-        if self.wrapper_format == "raw":
-            return [
-                profile.wrap_cuda(e.handle, g.layer_nbytes, g.dtype, g.layer_shape,
-                                  g.layer_strides, self.device_uuid)
-                for e in self._exports
-            ]
-        if profile.name != "0.5.3":
-            raise ProtocolMismatch(
-                f"wrapper='torch_ipc' emits LMCache 0.5.3's CudaIPCWrapper; the "
-                f"{profile.name} profile has no such form: use wrapper='raw'")
-        from ..pickle_emitter import emit_cuda_ipc_wrapper
-
-        # torch's _share_cuda_() 8-tuple: (device, bare 64-byte memory handle, storage
-        # bytes, storage byte offset inside the allocation, ref-counter file name,
-        # ref-counter offset, producer event handle, event_sync_required). Ordering is
-        # done per transfer with our own events, so no producer event.
         return [
-            WrapperBlob(emit_cuda_ipc_wrapper(
-                handle=(self.device, e.handle, g.layer_nbytes, e.offset, _NO_REFCOUNTER, 0,
-                        bytes(IPC_HANDLE_SIZE), False),
-                dtype=g.dtype, shape=g.layer_shape, stride=g.layer_strides,
-                device_uuid=self.device_uuid))
+            CudaLayerExport(ipc_handle=e.handle, nbytes=g.layer_nbytes, alloc_offset=e.offset,
+                            dtype=g.dtype, shape=g.layer_shape, stride=g.layer_strides,
+                            device_index=self.device, device_uuid=self.device_uuid,
+                            form=self.wrapper_format)
             for e in self._exports
         ]
 
-    def layout_hints(self) -> LayoutHints:
+    @property
+    def kv_layout(self) -> KVLayout | None:
         # GPU servers default to NHD for 5-D layers: say HND. MLA has no head axis.
-        return LayoutHints() if self.geometry.mla else LayoutHints(kv_layout="HND")
+        return None if self.geometry.mla else "HND"
 
     def begin_transfer(self, stream: Any) -> tuple[bytes, Any]:
         """Record a fresh interprocess event on ``stream``: the server's copy waits

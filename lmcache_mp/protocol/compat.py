@@ -13,8 +13,7 @@ __all__ = ["compatibility_table"]
 
 
 def _wrapper_format(p: Profile) -> str:
-    blob = p.wrap_cpu_shm("/lmcache_mp_probe", 8, "float16", (2, 2), (2, 1))
-    return "pickle (protocol 4)" if blob.data[:1] == b"\x80" else "msgpack descriptor"
+    return p.wrappers.name
 
 
 def _ranges(ids: list[int]) -> str:
@@ -46,6 +45,8 @@ def compatibility_table() -> str:
         ("num_kv_readers in the key", [_yes("num_kv_readers" in p.key_type.__struct_fields__)
                                        for p in profiles]),
         ("KV-cache wrapper format", [_wrapper_format(p) for p in profiles]),
+        ("CUDA wrapper forms", [", ".join(f"`{f}`" for f in p.wrappers.cuda)
+                                for p in profiles]),
     ]
     head = "| feature | " + " | ".join(f"`{p.name}` profile" for p in profiles) + " |"
     sep = "|---|" + "---|" * len(profiles)

@@ -7,14 +7,16 @@ release means adding a profile module, not editing the client.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["Payload", "Operation", "Profile", "KeyBuilder", "CpuShmWrapperBuilder",
-           "CudaWrapperBuilder"]
+from ..ipc.base import KVLayout, LayerExport
+from .wrappers import WrapperFormats
+
+__all__ = ["Payload", "Operation", "Profile", "KeyBuilder", "kv_readers"]
 
 Group = Literal["engine", "controller", "debug", "observability"]
 HandlerKind = Literal["sync", "blocking"]
@@ -95,25 +97,34 @@ class Operation:
 # Builds the profile's wire key from a public CacheKey, a worker id (None for LOOKUP) and
 # the number of readers that will retrieve each chunk (0.5.5+ keys carry it).
 KeyBuilder = Callable[[Any, "int | None", int], msgspec.Struct]
-# Serialises one CPU SHM layer for REGISTER_KV_CACHE in the family's wrapper format:
-# (shm_name, nbytes, dtype name, shape, stride) -> WrapperBlob.
-CpuShmWrapperBuilder = Callable[[str, int, str, "tuple[int, ...]", "tuple[int, ...]"], Any]
-# Serialises one CUDA layer allocation: (64-byte cudaIpcMemHandle, nbytes, dtype name,
-# shape, stride, device uuid) -> WrapperBlob.
-CudaWrapperBuilder = Callable[[bytes, int, str, "tuple[int, ...]", "tuple[int, ...]", str], Any]
+
+
+def kv_readers(tp_size: int, world_size: int) -> int:
+    """Read locks per looked-up chunk: how many workers will retrieve it.
+
+    0.5.3's server derives it from LOOKUP's ``tp_size`` payload (extra readers when
+    MLA replicates KV over more TP ranks than KV shards); 0.5.5+ keys carry it as
+    ``num_kv_readers``. Same rule both ways, so ``tp_size`` means the same everywhere.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        from ..errors import InvalidArgument
+
+        raise InvalidArgument(f"tp_size must be a positive int, got {tp_size!r}")
+    tp = tp_size if tp_size > 1 else world_size
+    return 1 + (tp - 1 if tp > world_size else 0)
 
 
 @dataclass(frozen=True)
 class Profile:
-    """One wire family of LMCache MP servers."""
+    """One wire family of LMCache MP servers, and every payload whose shape differs
+    between families (keys, CLEAR, REGISTER's wrappers): callers hand plain values."""
 
     name: str
     releases: tuple[str, ...]
     operations: Mapping[str, Operation]
     key_type: type[msgspec.Struct]
     build_key: KeyBuilder
-    wrap_cpu_shm: CpuShmWrapperBuilder
-    wrap_cuda: CudaWrapperBuilder
+    wrappers: WrapperFormats
     # Behaviours the client must respect (documented per profile).
     notes: Mapping[str, str] = field(default_factory=dict)
 
@@ -132,3 +143,34 @@ class Profile:
 
     def has(self, name: str) -> bool:
         return name in self.operations
+
+    # ------------------------------------------------------------ payloads
+    def all_ranks_payloads(self, key: Any, tp_size: int) -> tuple[Any, int]:
+        """LOOKUP / FREE_LOOKUP_LOCKS: the key for every rank (worker_id nil), the reader
+        count in the key (0.5.5+) and as the ``tp_size`` payload (0.5.3)."""
+        return self.build_key(key, None, kv_readers(tp_size, key.world_size)), tp_size
+
+    def transfer_key(self, key: Any, worker_id: int) -> msgspec.Struct:
+        """The key of a STORE / RETRIEVE / PREPARE_* / COMMIT_* for one KV rank."""
+        return self.build_key(key, worker_id, 1)
+
+    def clear_payloads(self, force: bool) -> tuple[Any, ...]:
+        """CLEAR: no payload up to 0.5.5 (the server always forces), ``[force]`` after."""
+        return (bool(force),) if self.op("CLEAR").payloads else ()
+
+    def register_payloads(
+        self,
+        instance_id: int,
+        exports: Sequence[LayerExport],
+        model_name: str,
+        world_size: int,
+        kv_layout: KVLayout | None,
+        groups: Sequence[Any],
+    ) -> tuple[Any, ...]:
+        """REGISTER_KV_CACHE's seven payloads; the engine type is always ``"vllm"``
+        (the server reads vLLM-style paged layers; it is only a format hint)."""
+        from .types import LayoutHints
+
+        hints = LayoutHints() if kv_layout is None else LayoutHints(kv_layout=kv_layout)
+        return (instance_id, self.wrappers.encode(exports, "/".join(self.releases)),
+                model_name, world_size, "vllm", hints, list(groups))

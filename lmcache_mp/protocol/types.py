@@ -8,7 +8,7 @@ Decoding is by key name, so unknown keys from a newer server are ignored.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -23,6 +23,8 @@ __all__ = [
     "BlockAllocationRecord",
     "RegisterEngineDrivenContextPayload",
     "RegisterEngineDrivenContextResponse",
+    "PoolSlot",
+    "EngineDrivenContext",
     "PrepareStoreResponse",
     "PrepareRetrieveResponse",
     "WrapperBlob",
@@ -88,18 +90,37 @@ class RegisterEngineDrivenContextResponse(msgspec.Struct, frozen=True):
     pool_size: int = 0
 
 
-class PrepareStoreResponse(msgspec.Struct, frozen=True):
-    """Slots reserved for an engine-driven store (``{}`` in pickle mode)."""
+class PoolSlot(msgspec.Struct, frozen=True):
+    """One chunk object in the server's SHM L1 pool (LMCache's ``ShmSlotDescriptor``):
+    ``length`` bytes at ``offset``, holding a tensor of ``shape`` and ``dtype``."""
 
-    context: dict[str, Any] = {}
+    offset: int
+    length: int
+    shape: list[int]
+    dtype: str
+
+
+class EngineDrivenContext(msgspec.Struct, frozen=True):
+    """The ``context`` map of PREPARE_STORE / PREPARE_RETRIEVE in SHM mode: the slots
+    to copy, and (store only) which chunk of the key each slot is for. Pickle mode sends
+    an empty map: both lists are then empty."""
+
+    slots: list[PoolSlot] = []
+    chunk_indices: list[int] = []
+
+
+class PrepareStoreResponse(msgspec.Struct, frozen=True):
+    """Slots reserved for an engine-driven store (none: every chunk is cached already)."""
+
+    context: EngineDrivenContext = EngineDrivenContext()
 
 
 class PrepareRetrieveResponse(msgspec.Struct, frozen=True):
-    """Slots to read for an engine-driven retrieve."""
+    """Slots to read for an engine-driven retrieve (``success`` False on a miss)."""
 
     success: bool
     data: bytes = b""
-    context: dict[str, Any] = {}
+    context: EngineDrivenContext = EngineDrivenContext()
 
 
 class WrapperBlob:

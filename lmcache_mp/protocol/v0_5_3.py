@@ -15,13 +15,8 @@ import msgspec
 
 from .core_ops import core_operations
 from .operations import Profile
-from .types import (
-    U32,
-    EngineGroupInfo,
-    RegisterEngineDrivenContextPayload,
-    WireInt,
-    WrapperBlob,
-)
+from .types import U32, EngineGroupInfo, RegisterEngineDrivenContextPayload, WireInt
+from .wrappers import PICKLE_V053
 
 __all__ = ["PROFILE", "CacheKeyV053"]
 
@@ -58,35 +53,6 @@ def build_key(key: Any, worker_id: int | None, num_kv_readers: int = 1) -> Cache
     return CacheKeyV053(**key_fields(key, worker_id))
 
 
-def wrap_cpu_shm(
-    shm_name: str, nbytes: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...]
-) -> WrapperBlob:
-    """0.5.3-0.5.5 carry a pickled ``CpuShmTensorWrapper``, emitted from its template."""
-    from ..pickle_emitter import emit_cpu_shm_wrapper
-
-    return WrapperBlob(emit_cpu_shm_wrapper(
-        shm_name=shm_name, nbytes=nbytes, dtype=dtype, shape=shape, stride=stride
-    ))
-
-
-def wrap_cuda(
-    ipc_handle: bytes,
-    nbytes: int,
-    dtype: str,
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    device_uuid: str,
-) -> WrapperBlob:
-    """A pickled ``RawCudaIPCWrapper``: a bare 64-byte ``cudaIpcMemHandle_t`` of an
-    allocation base, no offset (the server needs cupy to open it)."""
-    from ..pickle_emitter import emit_raw_cuda_wrapper
-
-    return WrapperBlob(emit_raw_cuda_wrapper(
-        ipc_handle=ipc_handle, nbytes=nbytes, dtype=dtype, shape=shape, stride=stride,
-        device_uuid=device_uuid,
-    ))
-
-
 _OPS = core_operations(
     key_type=CacheKeyV053,
     group_info_type=EngineGroupInfo,
@@ -102,11 +68,11 @@ PROFILE = Profile(
     operations={op.name: op for op in _OPS},
     key_type=CacheKeyV053,
     build_key=build_key,
-    wrap_cpu_shm=wrap_cpu_shm,
-    wrap_cuda=wrap_cuda,
+    wrappers=PICKLE_V053,
     notes={
         "clear": "CLEAR takes no payload; the server always forces.",
         "cpu_layout": "CPU servers read 5-D vLLM tensors as HND whatever kv_layout says.",
-        "wrapper_format": "REGISTER_KV_CACHE carries pickled wrappers (ext type 1).",
+        "wrapper_format": "REGISTER_KV_CACHE carries pickled wrappers (ext type 1); CUDA "
+                          "layers as RawCudaIPCWrapper or torch's CudaIPCWrapper.",
     },
 )

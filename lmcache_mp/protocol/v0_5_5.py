@@ -20,8 +20,9 @@ from typing import Any
 
 from .core_ops import core_operations
 from .operations import Profile
-from .types import EngineGroupInfo, RegisterEngineDrivenContextPayload, WireInt, WrapperBlob
-from .v0_5_3 import CacheKeyV053, key_fields, wrap_cpu_shm
+from .types import EngineGroupInfo, RegisterEngineDrivenContextPayload, WireInt
+from .v0_5_3 import CacheKeyV053, key_fields
+from .wrappers import PICKLE_V055
 
 __all__ = ["PROFILE", "CacheKeyV055", "EngineGroupInfoV055",
            "RegisterEngineDrivenContextPayloadV055"]
@@ -49,24 +50,6 @@ def build_key(key: Any, worker_id: int | None, num_kv_readers: int = 1) -> Cache
     return CacheKeyV055(**key_fields(key, worker_id), num_kv_readers=num_kv_readers)
 
 
-def wrap_cuda(
-    ipc_handle: bytes,
-    nbytes: int,
-    dtype: str,
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    device_uuid: str,
-) -> WrapperBlob:
-    """A pickled 0.5.5 ``RawCudaIPCWrapper`` of an allocation base (offset 0)."""
-    from ..pickle_emitter import emit
-
-    return WrapperBlob(emit("v0_5_5_raw_cuda", {
-        "_ipc_handle_reserved": ipc_handle, "_alloc_offset": 0, "_nbytes": nbytes,
-        "dtype": dtype, "shape": shape, "stride": stride, "storage_offset": 0, "_opens": 0,
-        "device_uuid": device_uuid,
-    }))
-
-
 PROFILE = Profile(
     name="0.5.5",
     releases=("0.5.5",),
@@ -80,8 +63,7 @@ PROFILE = Profile(
     )},
     key_type=CacheKeyV055,
     build_key=build_key,
-    wrap_cpu_shm=wrap_cpu_shm,
-    wrap_cuda=wrap_cuda,
+    wrappers=PICKLE_V055,
     notes={
         "clear": "CLEAR takes no payload; the server always forces.",
         "num_kv_readers": "LOOKUP keys must carry num_kv_readers >= 1; tp_size is ignored.",

@@ -14,99 +14,17 @@ Differences from 0.5.5 (source: lmcache 0.5.6 ``v1/multiprocess/transport``,
 
 from __future__ import annotations
 
-from typing import Literal
-
-import msgspec
-
 from .core_ops import core_operations
 from .operations import Profile
-from .types import WrapperBlob
 from .v0_5_5 import (
     CacheKeyV055,
     EngineGroupInfoV055,
     RegisterEngineDrivenContextPayloadV055,
     build_key,
 )
+from .wrappers import DESCRIPTOR_V056
 
-__all__ = ["PROFILE", "cpu_shm_descriptor", "cuda_raw_descriptor"]
-
-NonNegative = msgspec.Meta(ge=0)
-
-
-# Mirrors of lmcache 0.5.6 ipc_wire.py, same options, so msgspec writes the same
-# bytes (the tag, then kw_only base fields after the subclass's own fields).
-class _TensorMetadata(msgspec.Struct, forbid_unknown_fields=True):
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
-    device_uuid: str
-
-
-class _IPCData(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    version: Literal[1]
-    metadata: _TensorMetadata
-
-
-class _CpuShmIPCData(_IPCData, tag="cpu_shm"):
-    shm_name: str
-    nbytes: int
-
-
-class _RawCudaIPCData(_IPCData, tag="cuda_raw"):
-    ipc_handle: bytes
-    alloc_offset: int
-    nbytes: int
-
-
-def _metadata(dtype: str, shape: tuple[int, ...], stride: tuple[int, ...],
-              device_uuid: str) -> _TensorMetadata:
-    from ..pickle_emitter import TORCH_DTYPES
-
-    if dtype not in TORCH_DTYPES:
-        from ..errors import InvalidArgument
-
-        raise InvalidArgument(f"unsupported dtype {dtype!r}")
-    return _TensorMetadata(dtype=dtype, shape=tuple(shape), stride=tuple(stride),
-                           storage_offset=0, device_uuid=device_uuid)
-
-
-def cpu_shm_descriptor(
-    shm_name: str, nbytes: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...]
-) -> bytes:
-    return msgspec.msgpack.encode(_CpuShmIPCData(
-        version=1, metadata=_metadata(dtype, shape, stride, "cpu"), shm_name=shm_name,
-        nbytes=nbytes,
-    ))
-
-
-def cuda_raw_descriptor(
-    ipc_handle: bytes, nbytes: int, dtype: str, shape: tuple[int, ...],
-    stride: tuple[int, ...], device_uuid: str,
-) -> bytes:
-    if len(ipc_handle) != 64:
-        from ..errors import InvalidArgument
-
-        raise InvalidArgument("a cudaIpcMemHandle_t is exactly 64 bytes")
-    return msgspec.msgpack.encode(_RawCudaIPCData(
-        version=1, metadata=_metadata(dtype, shape, stride, device_uuid),
-        ipc_handle=ipc_handle, alloc_offset=0, nbytes=nbytes,
-    ))
-
-
-def wrap_cpu_shm(
-    shm_name: str, nbytes: int, dtype: str, shape: tuple[int, ...], stride: tuple[int, ...]
-) -> WrapperBlob:
-    return WrapperBlob(cpu_shm_descriptor(shm_name, nbytes, dtype, shape, stride))
-
-
-def wrap_cuda(
-    ipc_handle: bytes, nbytes: int, dtype: str, shape: tuple[int, ...],
-    stride: tuple[int, ...], device_uuid: str,
-) -> WrapperBlob:
-    return WrapperBlob(cuda_raw_descriptor(ipc_handle, nbytes, dtype, shape, stride,
-                                           device_uuid))
-
+__all__ = ["PROFILE"]
 
 PROFILE = Profile(
     name="0.5.6",
@@ -121,8 +39,7 @@ PROFILE = Profile(
     )},
     key_type=CacheKeyV055,
     build_key=build_key,
-    wrap_cpu_shm=wrap_cpu_shm,
-    wrap_cuda=wrap_cuda,
+    wrappers=DESCRIPTOR_V056,
     notes={
         "clear": "CLEAR takes [force: bool].",
         "num_kv_readers": "LOOKUP keys must carry num_kv_readers >= 1.",

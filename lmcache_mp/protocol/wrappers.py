@@ -1,0 +1,204 @@
+"""KV-cache export records -> the wrapper each server family maps, in its wire format.
+
+REGISTER_KV_CACHE carries one serialised wrapper per layer tensor (msgpack ext type 1).
+What that wrapper is differs by family and by memory kind:
+
+==========  ==========================  =========================================
+family      CPU SHM layer               CUDA layer (``form``)
+==========  ==========================  =========================================
+0.5.3/0.5.4 pickled CpuShmTensorWrapper  ``raw``: pickled RawCudaIPCWrapper (0.5.3);
+                                        ``torch_ipc``: pickled CudaIPCWrapper
+0.5.5       same pickle                 ``raw``: 0.5.5 RawCudaIPCWrapper pickle
+0.5.6       ``cpu_shm`` descriptor      ``raw``: ``cuda_raw`` descriptor
+==========  ==========================  =========================================
+
+The memory layer hands plain records (:mod:`lmcache_mp.ipc.base`); only this module
+knows the wire forms, and :class:`WrapperFormats` refuses a form a family cannot open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from ..errors import InvalidArgument, ProtocolMismatch
+from ..ipc.base import CudaLayerExport, LayerExport, ShmLayerExport
+from .types import WrapperBlob
+
+__all__ = [
+    "WrapperFormats",
+    "PICKLE_V053",
+    "PICKLE_V055",
+    "DESCRIPTOR_V056",
+    "cpu_shm_descriptor",
+    "cuda_raw_descriptor",
+]
+
+IPC_HANDLE_SIZE = 64
+
+# The torch_ipc form names a ref-counter file that torch only opens, best effort, when
+# the server frees its view; a name that cannot exist makes that a silent no-op (a real
+# file of another process would have its counter decremented).
+_NO_REFCOUNTER = b"/lmcache_mp_no_refcounter_file"
+
+
+# ------------------------------------------------------------ pickled wrappers
+def pickle_cpu_shm(rec: ShmLayerExport) -> WrapperBlob:
+    """0.5.3-0.5.5: a pickled ``CpuShmTensorWrapper``, emitted from its template."""
+    from ..pickle_emitter import emit_cpu_shm_wrapper
+
+    return WrapperBlob(emit_cpu_shm_wrapper(
+        shm_name=rec.shm_name, nbytes=rec.nbytes, dtype=rec.dtype, shape=rec.shape,
+        stride=rec.stride))
+
+
+def _base_only(rec: CudaLayerExport, what: str) -> None:
+    if rec.alloc_offset:
+        raise InvalidArgument(
+            f"{what} carries no offset, but this layer starts {rec.alloc_offset} bytes into "
+            f"its CUDA allocation: the server would map the allocation's base. Allocate "
+            f"with CudaKVCache.allocate (one cudaMalloc per layer) or use wrapper='torch_ipc'")
+
+
+def pickle_raw_cuda_v053(rec: CudaLayerExport) -> WrapperBlob:
+    """A pickled 0.5.3 ``RawCudaIPCWrapper``: the bare 64-byte handle of an allocation
+    base, no offset (the server needs cupy to open it)."""
+    from ..pickle_emitter import emit_raw_cuda_wrapper
+
+    _base_only(rec, "LMCache 0.5.3's RawCudaIPCWrapper")
+    return WrapperBlob(emit_raw_cuda_wrapper(
+        ipc_handle=rec.ipc_handle, nbytes=rec.nbytes, dtype=rec.dtype, shape=rec.shape,
+        stride=rec.stride, device_uuid=rec.device_uuid))
+
+
+def pickle_raw_cuda_v055(rec: CudaLayerExport) -> WrapperBlob:
+    """A pickled 0.5.5 ``RawCudaIPCWrapper`` (gains ``_alloc_offset`` and ``_opens``)."""
+    from ..pickle_emitter import emit
+
+    return WrapperBlob(emit("v0_5_5_raw_cuda", {
+        "_ipc_handle_reserved": rec.ipc_handle, "_alloc_offset": rec.alloc_offset,
+        "_nbytes": rec.nbytes, "dtype": rec.dtype, "shape": rec.shape, "stride": rec.stride,
+        "storage_offset": 0, "_opens": 0, "device_uuid": rec.device_uuid,
+    }))
+
+
+def pickle_torch_ipc_v053(rec: CudaLayerExport) -> WrapperBlob:
+    """A pickled 0.5.3 ``CudaIPCWrapper``: torch's ``_share_cuda_()`` 8-tuple built
+    without torch (device, bare memory handle, storage bytes, byte offset inside the
+    allocation, ref-counter file, ref-counter offset, producer event handle,
+    event_sync_required). Ordering is done per transfer with our own events, so no
+    producer event."""
+    from ..pickle_emitter import emit_cuda_ipc_wrapper
+
+    return WrapperBlob(emit_cuda_ipc_wrapper(
+        handle=(rec.device_index, rec.ipc_handle, rec.nbytes, rec.alloc_offset,
+                _NO_REFCOUNTER, 0, bytes(IPC_HANDLE_SIZE), False),
+        dtype=rec.dtype, shape=rec.shape, stride=rec.stride, device_uuid=rec.device_uuid))
+
+
+# --------------------------------------------------- 0.5.6 msgpack descriptors
+# Mirrors of lmcache 0.5.6 ipc_wire.py, same options, so msgspec writes the same
+# bytes (the tag, then kw_only base fields after the subclass's own fields).
+class _TensorMetadata(msgspec.Struct, forbid_unknown_fields=True):
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    device_uuid: str
+
+
+class _IPCData(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    version: Literal[1]
+    metadata: _TensorMetadata
+
+
+class _CpuShmIPCData(_IPCData, tag="cpu_shm"):
+    shm_name: str
+    nbytes: int
+
+
+class _RawCudaIPCData(_IPCData, tag="cuda_raw"):
+    ipc_handle: bytes
+    alloc_offset: int
+    nbytes: int
+
+
+def _metadata(dtype: str, shape: Sequence[int], stride: Sequence[int],
+              device_uuid: str) -> _TensorMetadata:
+    from ..pickle_emitter import TORCH_DTYPES
+
+    if dtype not in TORCH_DTYPES:
+        raise InvalidArgument(f"unsupported dtype {dtype!r}")
+    return _TensorMetadata(dtype=dtype, shape=tuple(shape), stride=tuple(stride),
+                           storage_offset=0, device_uuid=device_uuid)
+
+
+def cpu_shm_descriptor(
+    shm_name: str, nbytes: int, dtype: str, shape: Sequence[int], stride: Sequence[int]
+) -> bytes:
+    return msgspec.msgpack.encode(_CpuShmIPCData(
+        version=1, metadata=_metadata(dtype, shape, stride, "cpu"), shm_name=shm_name,
+        nbytes=nbytes))
+
+
+def cuda_raw_descriptor(
+    ipc_handle: bytes, nbytes: int, dtype: str, shape: Sequence[int],
+    stride: Sequence[int], device_uuid: str, alloc_offset: int = 0,
+) -> bytes:
+    if len(ipc_handle) != IPC_HANDLE_SIZE:
+        raise InvalidArgument("a cudaIpcMemHandle_t is exactly 64 bytes")
+    return msgspec.msgpack.encode(_RawCudaIPCData(
+        version=1, metadata=_metadata(dtype, shape, stride, device_uuid),
+        ipc_handle=ipc_handle, alloc_offset=alloc_offset, nbytes=nbytes))
+
+
+def descriptor_cpu_shm(rec: ShmLayerExport) -> WrapperBlob:
+    return WrapperBlob(cpu_shm_descriptor(rec.shm_name, rec.nbytes, rec.dtype, rec.shape,
+                                          rec.stride))
+
+
+def descriptor_cuda_raw(rec: CudaLayerExport) -> WrapperBlob:
+    return WrapperBlob(cuda_raw_descriptor(rec.ipc_handle, rec.nbytes, rec.dtype, rec.shape,
+                                           rec.stride, rec.device_uuid, rec.alloc_offset))
+
+
+# ----------------------------------------------------------------- per family
+@dataclass(frozen=True)
+class WrapperFormats:
+    """How one family serialises each kind of layer export."""
+
+    name: str  # "pickle (protocol 4)" or "msgpack descriptor", for the compat table
+    cpu_shm: Callable[[ShmLayerExport], WrapperBlob]
+    cuda: Mapping[str, Callable[[CudaLayerExport], WrapperBlob]]  # form -> encoder
+    default_cuda_form: str
+
+    def encode(self, exports: Sequence[LayerExport], family: str) -> list[WrapperBlob]:
+        if not exports:
+            raise InvalidArgument("a KV cache needs at least one layer to register")
+        out: list[WrapperBlob] = []
+        for rec in exports:
+            if isinstance(rec, ShmLayerExport):
+                out.append(self.cpu_shm(rec))
+            elif isinstance(rec, CudaLayerExport):
+                encoder = self.cuda.get(rec.form)
+                if encoder is None:
+                    raise ProtocolMismatch(
+                        f"LMCache {family} servers cannot open a {rec.form!r} CUDA wrapper; "
+                        f"they take {', '.join(repr(f) for f in self.cuda)}: allocate the "
+                        f"cache with wrapper={self.default_cuda_form!r}")
+                out.append(encoder(rec))
+            else:
+                raise InvalidArgument(f"unknown layer export {type(rec).__name__}")
+        return out
+
+
+PICKLE_V053 = WrapperFormats("pickle (protocol 4)", pickle_cpu_shm,
+                             {"raw": pickle_raw_cuda_v053, "torch_ipc": pickle_torch_ipc_v053},
+                             "raw")
+PICKLE_V055 = WrapperFormats("pickle (protocol 4)", pickle_cpu_shm,
+                             {"raw": pickle_raw_cuda_v055}, "raw")
+DESCRIPTOR_V056 = WrapperFormats("msgpack descriptor", descriptor_cpu_shm,
+                                 {"raw": descriptor_cuda_raw}, "raw")
