@@ -9,6 +9,7 @@ from __future__ import annotations
 from .client import DEFAULT_TIMEOUT, Client
 from .errors import (
     ClientClosed,
+    ConnectionChanged,
     InvalidArgument,
     LMCacheMPError,
     ProtocolMismatch,
@@ -19,11 +20,15 @@ from .futures import ReplyFuture
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 from .protocol.types import BlockAllocationRecord, EngineGroupInfo
+from .registration import Registration
+from .request import Request
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Client",
+    "Registration",
+    "Request",
     "CacheKey",
     "CpuKVCache",
     "ReplyFuture",
@@ -33,6 +38,7 @@ __all__ = [
     "LMCacheMPError",
     "RequestTimeout",
     "ServerUnavailable",
+    "ConnectionChanged",
     "ClientClosed",
     "ProtocolMismatch",
     "InvalidArgument",

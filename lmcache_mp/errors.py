@@ -13,6 +13,7 @@ __all__ = [
     "RequestTimeout",
     "ServerUnavailable",
     "ClientClosed",
+    "ConnectionChanged",
     "ProtocolMismatch",
     "InvalidArgument",
 ]
@@ -28,6 +29,12 @@ class RequestTimeout(LMCacheMPError, TimeoutError):
 
 class ServerUnavailable(LMCacheMPError, ConnectionError):
     """The server could not be reached, or the connection was lost mid-request."""
+
+
+class ConnectionChanged(ServerUnavailable):
+    """A request bound to one connection was not sent because the socket reconnected
+    (the server may have restarted). Registrations catch it, re-register and send
+    again within the call's deadline; a caller sees it only if that is impossible."""
 
 
 class ClientClosed(ServerUnavailable):

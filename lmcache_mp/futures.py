@@ -3,27 +3,37 @@
 A ReplyFuture is not an asyncio or concurrent.futures future: there is no I/O
 thread, so ``result()`` drives the socket in the calling thread until the reply (or
 the request's deadline) arrives. Submit many, then collect them in any order.
+
+:func:`blocking` makes the blocking twin ``x()`` of a method ``x_async()``, so that
+each call is written once.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Concatenate, Generic, ParamSpec, TypeVar
 
-from .errors import LMCacheMPError
+from .errors import ConnectionChanged, LMCacheMPError
 from .transport import PendingRequest, Transport
 
-__all__ = ["ReplyFuture"]
+__all__ = ["ReplyFuture", "blocking"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
+S = TypeVar("S")
 
 _UNSET: object = object()
+
+# Submits the request again (after redoing what a restarted server forgot), within
+# the original deadline; raises when that is no longer possible.
+Resubmit = Callable[[], PendingRequest]
 
 
 class ReplyFuture(Generic[T]):
     """The eventual value of one request (or a value the client already knows)."""
 
-    __slots__ = ("_transport", "_request", "_decode", "_value", "_error")
+    __slots__ = ("_transport", "_request", "_decode", "_value", "_error", "_resubmit")
 
     def __init__(
         self,
@@ -31,17 +41,26 @@ class ReplyFuture(Generic[T]):
         request: PendingRequest | None,
         decode: Callable[[list[bytes]], T] | None,
         value: object = _UNSET,
+        resubmit: Resubmit | None = None,
     ) -> None:
         self._transport = transport
         self._request = request
         self._decode = decode
         self._value: object = value
         self._error: LMCacheMPError | None = None
+        self._resubmit = resubmit
 
     @classmethod
     def completed(cls, value: T) -> ReplyFuture[T]:
         """A future that already holds ``value`` (nothing is sent)."""
         return cls(None, None, None, value)
+
+    @classmethod
+    def failed(cls, error: LMCacheMPError) -> ReplyFuture[T]:
+        """A future that raises ``error`` from ``result()``."""
+        future: ReplyFuture[T] = cls(None, None, None)
+        future._error = error
+        return future
 
     def done(self) -> bool:
         """Whether the reply (or an error) is in, without blocking."""
@@ -53,10 +72,18 @@ class ReplyFuture(Generic[T]):
     def result(self) -> T:
         """The decoded reply; raises the request's error (timeout, unavailable, ...)."""
         if self._value is _UNSET and self._error is None:
-            assert self._transport is not None and self._request is not None
-            assert self._decode is not None
+            transport, request, decode = self._transport, self._request, self._decode
+            assert transport is not None and request is not None and decode is not None
             try:
-                self._value = self._decode(self._transport.wait(self._request))
+                while True:
+                    try:
+                        frames = transport.wait(request)
+                        break
+                    except ConnectionChanged:
+                        if self._resubmit is None:
+                            raise
+                        request = self._request = self._resubmit()
+                self._value = decode(frames)
             except LMCacheMPError as exc:
                 self._error = exc
         if self._error is not None:
@@ -75,3 +102,19 @@ class ReplyFuture(Generic[T]):
         label = self._request.label if self._request is not None else "value"
         state = "done" if (self._value is not _UNSET or self._error is not None) else "pending"
         return f"<ReplyFuture {label} {state}>"
+
+
+def blocking(
+    method: Callable[Concatenate[S, P], ReplyFuture[T]],
+) -> Callable[Concatenate[S, P], T]:
+    """The blocking twin of an ``x_async`` method: same arguments, returns the result.
+
+    The twin's docstring is the async method's, which documents the call once."""
+
+    @functools.wraps(method)
+    def call(self: S, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return method(self, *args, **kwargs).result()
+
+    call.__name__ = method.__name__.removesuffix("_async")
+    call.__qualname__ = method.__qualname__.removesuffix("_async")
+    return call

@@ -152,6 +152,20 @@ class CacheKey:
         fields.update(changes)
         return CacheKey(**fields)
 
+    def with_range(self, start: int, end: int) -> CacheKey:
+        """A copy for tokens ``[start, end)``; only the range is checked again (the
+        tokens were checked once, which matters for long prompts)."""
+        if not _is_int(start) or not _is_int(end) or not 0 <= start <= end <= len(self.token_ids):
+            raise InvalidArgument(
+                f"need ints 0 <= start <= end <= {len(self.token_ids)} (the number of tokens), "
+                f"got start={start!r}, end={end!r}")
+        key = object.__new__(CacheKey)
+        for name in self.__slots__:
+            object.__setattr__(key, name, getattr(self, name))
+        object.__setattr__(key, "start", start)
+        object.__setattr__(key, "end", end)
+        return key
+
     @property
     def num_tokens(self) -> int:
         return self.end - self.start

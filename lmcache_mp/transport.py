@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .errors import (
     ClientClosed,
+    ConnectionChanged,
     InvalidArgument,
     LMCacheMPError,
     RequestTimeout,
@@ -60,9 +61,10 @@ class PendingRequest:
     """One request in flight. Completed with the reply frames (after the uid) or an error."""
 
     __slots__ = ("uid", "label", "deadline", "timeout", "frames", "error", "done", "sent", "event",
-                 "out")
+                 "out", "epoch", "sent_epoch")
 
-    def __init__(self, uid: bytes, label: str, timeout: float, out: list[bytes]) -> None:
+    def __init__(self, uid: bytes, label: str, timeout: float, out: list[bytes],
+                 epoch: int | None = None) -> None:
         self.uid = uid
         self.label = label
         self.timeout = timeout
@@ -76,6 +78,9 @@ class PendingRequest:
         # ``event``, a follower sets ``event`` before re-checking ``done``.
         self.event: threading.Event | None = None
         self.out: list[bytes] | None = out
+        # Only send on this connection (see Transport.submit); the one it went out on.
+        self.epoch = epoch
+        self.sent_epoch = 0
 
     def complete(self, frames: list[bytes]) -> None:
         self.frames = frames
@@ -157,18 +162,34 @@ class Transport:
         self._uids = itertools.count()
         self._closed = False
         self.connected = False
+        # Counts the connections made: a new one may lead to a new server process
+        # (a restart), which knows nothing of what the old one was told.
+        self.epoch = 0
         self._ever_connected = False
         self._refused = 0
 
     # ------------------------------------------------------------------ sending
-    def submit(self, frames: Sequence[bytes], timeout: float, label: str) -> PendingRequest:
-        """Send ``[uid, *frames]``; the reply (or error) completes the returned request."""
+    def submit(self, frames: Sequence[bytes], timeout: float, label: str,
+               epoch: int | None = None) -> PendingRequest:
+        """Send ``[uid, *frames]``; the reply (or error) completes the returned request.
+
+        With ``epoch``, the request may only go out on that connection (see
+        :attr:`epoch`): if the socket has reconnected since, it is failed unsent with
+        :class:`ConnectionChanged`, so a caller can first redo what a restarted server
+        forgot (a registration) and then submit again.
+        """
         uid = msgspec.msgpack.encode(next(self._uids))
         out = [uid, *frames]
-        p = PendingRequest(uid, label, timeout, out)
+        p = PendingRequest(uid, label, timeout, out, epoch)
         with self._lock:
             if self._closed:
                 raise ClientClosed(f"the client for {self.url} is closed; create a new Client")
+            if epoch is not None:
+                if self._drain_monitor_locked() and self._leader.locked():
+                    self._wake_leader()  # its requests may have been failed
+                if epoch != self.epoch:
+                    p.fail(self._connection_changed(p))
+                    return p
             self._pending[uid] = p
             # Keep order behind requests still waiting for a connection; a request
             # that cannot be sent now (not connected, IMMEDIATE) waits in the outbox
@@ -178,6 +199,7 @@ class Transport:
             else:
                 p.out = None
                 p.sent = True
+                p.sent_epoch = self.epoch
             if self._leader.locked():
                 # Another thread is blocked on the socket's edge-triggered fd; our send
                 # may have consumed its wake-up, so drain what is readable and wake it.
@@ -209,17 +231,42 @@ class Transport:
                 outbox.popleft()
                 continue
             assert p.out is not None
+            if p.epoch is not None and p.epoch != self.epoch:
+                outbox.popleft()
+                self._pending.pop(p.uid, None)
+                p.fail(self._connection_changed(p))
+                continue
             if not self._send_locked(p.out):
                 break
             outbox.popleft()
             p.out = None
             p.sent = True
+            p.sent_epoch = self.epoch
         return self._drain_inbound_locked()
 
-    def _drain_monitor_locked(self) -> None:
+    def _connection_changed(self, p: PendingRequest) -> ConnectionChanged:
+        return ConnectionChanged(
+            f"{p.label} was not sent: the connection to {self.url} was re-established "
+            f"(connection {self.epoch}, the request was for connection {p.epoch}), so the "
+            f"server may have restarted and forgotten registrations"
+        )
+
+    def _drain_monitor_locked(self) -> int:
         monitor = self._monitor
+        n = 0
         while int(monitor.get(_EVENTS)) & _POLLIN:
             self._on_monitor_event(monitor.recv_multipart(_NOBLOCK))
+            n += 1
+        return n
+
+    def refresh(self) -> int:
+        """Take in connection events now (without blocking) and return :attr:`epoch`.
+
+        Events are otherwise seen only while some thread waits on the socket."""
+        with self._lock:
+            if not self._closed and self._drain_monitor_locked() and self._leader.locked():
+                self._wake_leader()  # the waiting thread's requests may have been failed
+            return self.epoch
 
     def _drain_inbound_locked(self) -> int:
         n = 0
@@ -238,6 +285,7 @@ class Transport:
         if event == zmq.EVENT_CONNECTED:
             self.connected = True
             self._ever_connected = True
+            self.epoch += 1
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self._refused += 1
         elif event == zmq.EVENT_DISCONNECTED:

@@ -16,7 +16,7 @@ from lmcache_mp.ipc.cpu_cache import KVGeometry
 from lmcache_mp.ipc.paged_copy import block_runs, gather_chunk, scatter_chunk
 from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR
 from lmcache_mp.protocol.types import EngineGroupInfo
-from lmcache_mp.registrations import Registration, normalize_block_ids
+from lmcache_mp.blocks import TransferLayout, normalize_block_ids
 
 
 def ours() -> set[str]:
@@ -146,12 +146,10 @@ def test_gather_then_scatter_is_exact_and_token_major(mla: bool, ids: list[int])
                 np.testing.assert_array_equal(got, want)
 
 
-def _reg(num_blocks: int = 64, groups: int = 1) -> Registration:
-    kv = CpuKVCache.allocate(num_layers=2, num_blocks=num_blocks, block_size=16, num_heads=1,
-                             head_dim=8)
+def _reg(num_blocks: int = 64, groups: int = 1) -> TransferLayout:
     infos = tuple(EngineGroupInfo(engine_group_id=i, layer_indices=(i,), tokens_per_block=16)
                   for i in range(groups))
-    return Registration("lmcache_driven", 1, kv, "m", 1, 0, infos, 256)
+    return TransferLayout(1, "m", 1, 256, infos, 16, num_blocks)
 
 
 def _k(start: int = 0, end: int = 512) -> CacheKey:
@@ -161,22 +159,20 @@ def _k(start: int = 0, end: int = 512) -> CacheKey:
 
 def test_block_id_normalisation_and_checks() -> None:
     reg = _reg()
-    try:
-        assert normalize_block_ids(list(range(32)), _k(), reg, "STORE") == [list(range(32))]
-        assert normalize_block_ids([list(range(16))], _k(256), reg, "STORE") == [list(range(16))]
-        assert normalize_block_ids(np.arange(32), _k(), reg, "STORE") == [list(range(32))]
-        for bad, msg in [(list(range(31)), "exactly 32"), (list(range(33)), "exactly 32"),
-                         ([64] + list(range(31)), "outside"), ([-1] + list(range(31)), "outside"),
-                         ([True] + list(range(31)), "outside"),
-                         ([list(range(16)), list(range(16))], "group")]:
-            with pytest.raises(InvalidArgument, match=msg):
-                normalize_block_ids(bad, _k(), reg, "STORE")
-        reg.check_key(_k(), "STORE")
-        with pytest.raises(InvalidArgument, match="multiples"):
-            reg.check_key(_k(0, 300), "STORE")
-        with pytest.raises(InvalidArgument, match="empty"):
-            reg.check_key(_k(256, 256), "STORE")
-        with pytest.raises(InvalidArgument, match="registered"):
-            reg.check_key(_k().replace(model_name="other"), "STORE")
-    finally:
-        reg.cache.close()
+    assert normalize_block_ids(list(range(32)), _k(), reg, "STORE") == [list(range(32))]
+    assert normalize_block_ids([list(range(16))], _k(256), reg, "STORE") == [list(range(16))]
+    assert normalize_block_ids(np.arange(32), _k(), reg, "STORE") == [list(range(32))]
+    for bad, msg in [(list(range(31)), "exactly 32"), (list(range(33)), "exactly 32"),
+                     ([64] + list(range(31)), "outside"), ([-1] + list(range(31)), "outside"),
+                     ([True] + list(range(31)), "outside"),
+                     ([list(range(16)), list(range(16))], "group")]:
+        with pytest.raises(InvalidArgument, match=msg):
+            normalize_block_ids(bad, _k(), reg, "STORE")
+    reg.check_key(_k(), "STORE")
+    with pytest.raises(InvalidArgument, match="multiples"):
+        reg.check_key(_k(0, 300), "STORE")
+    with pytest.raises(InvalidArgument, match="empty"):
+        reg.check_key(_k(256, 256), "STORE")
+    with pytest.raises(InvalidArgument, match="registered"):
+        reg.check_key(_k().replace(model_name="other"), "STORE")
+

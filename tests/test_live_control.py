@@ -67,7 +67,7 @@ def test_auto_detection_is_fast_and_leaves_the_server_answering(
             assert time.monotonic() - start < (0.6 if expected_family == "0.5.6" else 0.2)
             assert c.detection is not None and c.detection.profile == expected_family
             assert c.noop() == "OK" and c.chunk_size() == 256
-            assert c._transport.in_flight == 0  # no probe left pending
+            assert c._conn.transport.in_flight == 0  # no probe left pending
 
 
 def test_named_protocol_skips_detection(live_server: LiveServer, expected_family: str) -> None:
@@ -197,7 +197,7 @@ def test_server_killed_mid_call_raises_within_deadline(private_server: LiveServe
         assert c.noop() == "OK"
         # UNREGISTER_Q_CACHE has no handler unless the server runs with --enable
         # transfer_query, so no release ever answers it: the call stays in flight.
-        future = c._request("UNREGISTER_Q_CACHE", (424242,), 3.0)
+        future = c._conn.request("UNREGISTER_Q_CACHE", (424242,), 3.0)
         time.sleep(0.2)
         os.kill(private_server.pid, signal.SIGKILL)
         start = time.monotonic()

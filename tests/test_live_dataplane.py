@@ -276,7 +276,7 @@ def test_transfers_are_validated_before_sending(client: Client, no_segment_leak:
             s.store(s.key(tokens, 0, CHUNK), list(range(40, 56)), instance_id=s.instance_id)
         with pytest.raises(InvalidArgument, match="not registered"):
             s.store(s.key(tokens, 0, CHUNK), list(range(16)), instance_id=s.instance_id + 1)
-        with pytest.raises(InvalidArgument, match="registered for lmcache_driven"):
+        with pytest.raises(InvalidArgument, match="registered for LMCache-driven"):
             client.store_engine_driven(s.key(tokens, 0, CHUNK), list(range(16)),
                                        instance_id=s.instance_id)
         with pytest.raises(InvalidArgument, match="already registered"):

@@ -1,47 +1,43 @@
-"""What a client remembers about the KV caches it registered, and the local checks
-that stand in for the server's silent drops (misaligned ranges, wrong block counts,
-ids outside the cache)."""
+"""The local checks that stand in for the server's silent drops: a transfer's key must
+match its registration (model, world size, chunk-aligned non-empty range), and its
+block ids must be exactly one per block of the range, each inside the cache.
+
+The server answers none of these mistakes; it logs them and the caller would wait for
+its deadline. Checking here turns each into an :class:`InvalidArgument` naming the fix.
+"""
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import is_int
 from .errors import InvalidArgument
-from .ipc.base import ExportableKVCache
 from .keys import CacheKey
 from .protocol.types import EngineGroupInfo
 
-__all__ = ["Registration", "normalize_block_ids"]
+__all__ = ["TransferLayout", "BlockIds", "normalize_block_ids"]
+
+# One flat list of ids (one group), one list per group, or a numpy array of either.
+BlockIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
 
 
-@dataclass
-class Registration:
-    """One registered instance: which cache, for which model and rank, in which mode."""
+@dataclass(frozen=True)
+class TransferLayout:
+    """What a registration fixes for its transfers."""
 
-    mode: Literal["lmcache_driven", "engine_driven"]
     instance_id: int
-    cache: ExportableKVCache
     model_name: str
     world_size: int
-    worker_id: int
-    groups: tuple[EngineGroupInfo, ...]
     chunk_size: int
-    pool: mmap.mmap | None = None
-    pool_name: str = ""
-    pool_size: int = 0
-    pool_view: np.ndarray | None = field(default=None, repr=False)
+    groups: tuple[EngineGroupInfo, ...]
+    block_size: int
+    num_blocks: int
 
     def tokens_per_block(self, group: int) -> int:
-        return self.groups[group].tokens_per_block or self.cache.geometry.block_size
-
-    def worker_for(self, key: CacheKey) -> int:
-        """The KV rank a STORE / RETRIEVE is for: the key's, else the registration's."""
-        return self.worker_id if key.worker_id is None else key.worker_id
+        return self.groups[group].tokens_per_block or self.block_size
 
     def check_key(self, key: CacheKey, op: str) -> None:
         if not isinstance(key, CacheKey):
@@ -63,10 +59,7 @@ class Registration:
 
 
 def normalize_block_ids(
-    block_ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray,
-    key: CacheKey,
-    reg: Registration,
-    op: str,
+    block_ids: BlockIds, key: CacheKey, layout: TransferLayout, op: str
 ) -> list[list[int]]:
     """Block ids as one list per group, checked against the key's range and the cache.
 
@@ -83,14 +76,14 @@ def normalize_block_ids(
                   for g in block_ids]
     else:
         groups = [list(block_ids)]
-    if len(groups) != len(reg.groups):
+    if len(groups) != len(layout.groups):
         raise InvalidArgument(
             f"{op}: got {len(groups)} block-id list(s), the cache was registered with "
-            f"{len(reg.groups)} group(s): pass one list per group"
+            f"{len(layout.groups)} group(s): pass one list per group"
         )
-    num_blocks = reg.cache.geometry.num_blocks
+    num_blocks = layout.num_blocks
     for gi, ids in enumerate(groups):
-        per_block = reg.tokens_per_block(gi)
+        per_block = layout.tokens_per_block(gi)
         need = (key.end - key.start) // per_block
         if len(ids) != need:
             raise InvalidArgument(
@@ -98,7 +91,7 @@ def normalize_block_ids(
                 f"[{key.start}, {key.end}) at {per_block} tokens per block, got {len(ids)}"
             )
         for b in ids:
-            if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b < num_blocks:
+            if not is_int(b) or not 0 <= b < num_blocks:
                 raise InvalidArgument(
                     f"{op}: block id {b!r} is outside the registered cache (0..{num_blocks - 1})"
                 )

@@ -1,0 +1,189 @@
+"""One connection to one server: the transport, the protocol profile it speaks, and the
+encode -> submit -> decode step every call shares.
+
+The profile is found by a probe (``protocol="auto"``) on first use and found again
+after the socket reconnects, since a new connection may reach a restarted server of
+another release. The chunk size is likewise asked once per connection.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+from .checks import positive_seconds
+from .errors import InvalidArgument, RequestTimeout, ServerUnavailable
+from .futures import ReplyFuture
+from .keys import CacheKey
+from .protocol import Profile, decode_reply, encode_request, get_profile
+from .protocol.detect import Detection, detect
+from .protocol.operations import Operation
+from .transport import PendingRequest, Transport
+
+__all__ = ["Connection", "DEFAULT_TIMEOUT"]
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT = 5.0
+
+
+class Connection:
+    """The transport plus the profile; thread-safe. Not public: :class:`Client` and
+    :class:`Registration` are built on it."""
+
+    def __init__(self, url: str, timeout: float, protocol: str) -> None:
+        if not isinstance(url, str) or "://" not in url:
+            raise InvalidArgument(f"url must look like tcp://host:port, got {url!r}")
+        self.url = url
+        self.timeout = positive_seconds("timeout", timeout)
+        self.fixed_protocol = protocol != "auto"
+        self._profile: Profile | None = get_profile(protocol) if self.fixed_protocol else None
+        self._profile_epoch = 0
+        self.detection: Detection | None = None
+        self._detect_lock = threading.Lock()
+        self._chunk: tuple[int, int] | None = None  # (epoch, chunk size)
+        self.transport = Transport(url)
+
+    # ---------------------------------------------------------------- profile
+    @property
+    def profile(self) -> Profile:
+        """The server's profile, probing it when not yet known on this connection."""
+        p = self._profile
+        if p is not None and (self.fixed_protocol or self._profile_epoch == self.transport.epoch):
+            return p
+        return self._detect()
+
+    def _detect(self) -> Profile:
+        with self._detect_lock:
+            current = self._profile
+            if current is not None and (self.fixed_protocol
+                                        or self._profile_epoch == self.transport.epoch):
+                return current
+            pending: dict[str, PendingRequest] = {}
+            try:
+                detection = detect(partial(self._probe_exchange, pending), self.url,
+                                   timeout=min(self.timeout, 2.0))
+            finally:
+                for p in pending.values():  # unanswered probes: drop late replies
+                    self.transport.cancel(p)
+            self.detection = detection
+            self._profile = get_profile(detection.profile)
+            self._profile_epoch = max(p.sent_epoch for p in pending.values())
+            return self._profile
+
+    def _probe_exchange(
+        self,
+        pending: dict[str, PendingRequest],
+        batch: Sequence[tuple[str, list[bytes]]],
+        until: str,
+        timeout: float,
+    ) -> dict[str, list[bytes] | None]:
+        """Send probe frames in order; wait for ``until``; collect whatever else is in."""
+        transport = self.transport
+        for name, frames in batch:
+            pending[name] = transport.submit(frames, timeout, f"the protocol probe ({name})")
+        target = pending.get(until)
+        if target is not None:
+            transport.wait_for(target, timeout)
+            if isinstance(target.error, ServerUnavailable):
+                raise target.error  # never reached the server: say so, not "no answer"
+            if not target.done and not target.sent:
+                transport.cancel(target)
+                raise ServerUnavailable(transport.unreachable_reason(
+                    f"the protocol probe ({until})", timeout))
+        out: dict[str, list[bytes] | None] = {}
+        for name, p in list(pending.items()):
+            transport.poll(p)
+            out[name] = p.frames if p.done and p.error is None else None
+        return out
+
+    # ----------------------------------------------------------------- calls
+    def seconds(self, timeout: float | None) -> float:
+        """A call's deadline in seconds: its own ``timeout`` or the default."""
+        return self.timeout if timeout is None else positive_seconds("timeout", timeout)
+
+    def submit(
+        self, op_name: str, payloads: Sequence[Any], seconds: float, epoch: int | None = None
+    ) -> tuple[Operation, PendingRequest]:
+        """Encode (validating every payload first) and send; nothing is sent on error."""
+        op = self.profile.op(op_name)
+        frames = encode_request(op, payloads)
+        return op, self.transport.submit(frames, seconds, op_name, epoch)
+
+    def request(
+        self,
+        op_name: str,
+        payloads: Sequence[Any],
+        timeout: float | None,
+        convert: Callable[[Any], Any] | None = None,
+    ) -> ReplyFuture[Any]:
+        """The non-blocking form: a future that decodes the reply (then applies
+        ``convert``) when asked."""
+        op, pending = self.submit(op_name, payloads, self.seconds(timeout))
+        decode: Callable[[list[bytes]], Any] = partial(decode_reply, op)
+        if convert is not None:
+            decode = partial(_then, decode, convert)
+        return ReplyFuture(self.transport, pending, decode)
+
+    def call(self, op_name: str, payloads: Sequence[Any], timeout: float | None) -> Any:
+        """The blocking form, without a future on the hot path."""
+        op, pending = self.submit(op_name, payloads, self.seconds(timeout))
+        return decode_reply(op, self.transport.wait(pending))
+
+    def lookup_async(
+        self,
+        key: CacheKey,
+        tp_size: int,
+        timeout: float | None,
+        convert: Callable[[int], int] | None = None,
+    ) -> ReplyFuture[int]:
+        """LOOKUP (all ranks) then WAIT_PREFETCH_STATUS within one deadline: the number
+        of leading chunks cached for every rank (then ``convert``-ed). ``result()`` sends
+        the wait once the LOOKUP is acknowledged (the server may run a query sent
+        earlier before the lookup itself)."""
+        if not isinstance(key, CacheKey):
+            raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
+        budget = self.seconds(timeout)
+        deadline = time.monotonic() + budget
+        op, pending = self.submit("LOOKUP", self.profile.all_ranks_payloads(key, tp_size), budget)
+
+        def finish(frames: list[bytes]) -> int:
+            decode_reply(op, frames)
+            remaining = max(deadline - time.monotonic(), 0.001)
+            # Let the server wait for most of the remaining budget and keep a margin
+            # for the reply itself; the call as a whole stays within the budget.
+            hits = self.call("WAIT_PREFETCH_STATUS", (key.request_id, remaining * 0.8),
+                             remaining)
+            if hits is None:
+                raise RequestTimeout(
+                    f"the lookup for request {key.request_id!r} did not finish within "
+                    f"{budget:g} s (a slow L2 backend?); its hit chunks stay locked: collect "
+                    f"the result later with query_prefetch_status() or release them with "
+                    f"free_lookup_locks()")
+            return int(hits) if convert is None else convert(int(hits))
+
+        return ReplyFuture(self.transport, pending, finish)
+
+    def chunk_size(self, timeout: float | None = None) -> int:
+        """The server's chunk size in tokens (asked once per connection)."""
+        cached = self._chunk
+        epoch = self.transport.epoch
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        op, pending = self.submit("GET_CHUNK_SIZE", (), self.seconds(timeout))
+        value = decode_reply(op, self.transport.wait(pending))
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InvalidArgument(f"server reported an invalid chunk size {value!r}")
+        self._chunk = (pending.sent_epoch, value)
+        return value
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def _then(decode: Callable[[list[bytes]], Any], convert: Callable[[Any], T],
+          frames: list[bytes]) -> T:
+    return convert(decode(frames))

@@ -1,0 +1,163 @@
+"""Engine-driven transfers: this client copies KV between its paged cache and the
+server's shared-memory L1 pool, between PREPARE_* and COMMIT_* requests.
+
+The server answers PREPARE_STORE / PREPARE_RETRIEVE with *slots*: byte ranges of its
+pool, each holding one chunk object. Every slot is checked against what was registered
+(shape, dtype, length, bounds) before a byte is copied, since a wrong slot would make
+this client write over another chunk. Pools are mapped once per client and name, and
+unmapped when no registration uses them (a restarted 0.5.3 server names a new pool).
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import ProtocolMismatch
+from .ipc.base import STORAGE_DTYPES, KVGeometry
+from .ipc.cpu_cache import CpuKVCache
+from .ipc.paged_copy import gather_chunk, scatter_chunk
+from .ipc.shm import map_existing
+from .protocol.types import PoolSlot
+
+__all__ = ["Pool", "PoolMaps", "NO_POOL_HELP", "copy_into_slots", "copy_from_slots"]
+
+NO_POOL_HELP = (
+    "the server has no shared-memory L1 pool, so engine-driven transfers would need "
+    "pickled torch tensors, which lmcache_mp does not send. Start the server with "
+    "--shm-name NAME (needed from 0.5.4; on GPU hosts also --no-l1-use-lazy), or register "
+    "with mode='lmcache'"
+)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The server's L1 pool as this client maps it, on one connection."""
+
+    name: str
+    size: int
+    epoch: int
+    view: np.ndarray = field(repr=False, compare=False)
+
+
+class PoolMaps:
+    """The server pools this client has mapped, shared by its registrations.
+
+    Keyed by name *and connection*: a server restarted with the same ``--shm-name``
+    makes a new segment under that name, and the old mapping would still show the
+    dead server's memory.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (name, epoch) -> [mapping, view, users]
+        self._maps: dict[tuple[str, int], tuple[mmap.mmap, np.ndarray, int]] = {}
+
+    def acquire(self, name: str, size: int, epoch: int) -> Pool:
+        with self._lock:
+            key = (name, epoch)
+            entry = self._maps.get(key)
+            if entry is None or entry[1].size < size:
+                pool = map_existing(name, size)
+                entry = (pool, np.frombuffer(pool, dtype=np.uint8), 0)
+            self._maps[key] = (entry[0], entry[1], entry[2] + 1)
+            return Pool(name, size, epoch, entry[1])
+
+    def release(self, pool: Pool | None) -> None:
+        if pool is None:
+            return
+        key = (pool.name, pool.epoch)
+        with self._lock:
+            entry = self._maps.get(key)
+            if entry is None or entry[1] is not pool.view:
+                return
+            if entry[2] > 1:
+                self._maps[key] = (entry[0], entry[1], entry[2] - 1)
+                return
+            del self._maps[key]
+        _unmap(entry[0])
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._maps.values())
+            self._maps.clear()
+        for pool, _view, _users in entries:
+            _unmap(pool)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+def _unmap(pool: mmap.mmap) -> None:
+    try:
+        pool.close()
+    except BufferError:
+        pass  # a copy still holds a view: the mapping goes with the last one
+
+
+def slot_view(pool: Pool, slot: PoolSlot, g: KVGeometry, chunk_size: int) -> np.ndarray:
+    """The chunk object in ``slot``, checked against what was registered."""
+    expect = ([g.num_layers, chunk_size, g.hidden_dim] if g.mla
+              else [2, g.num_layers, chunk_size, g.hidden_dim])
+    nbytes = int(np.prod(expect)) * g.itemsize
+    # MLA objects stored through REGISTER_KV_CACHE carry a leading kv_size of 1:
+    # same bytes, one more dimension.
+    shape_ok = slot.shape == expect or (g.mla and slot.shape == [1, *expect])
+    if not shape_ok or slot.dtype != g.dtype or slot.length != nbytes or slot.offset < 0 or (
+        slot.offset + slot.length > pool.size
+    ):
+        raise ProtocolMismatch(
+            f"the server offered slot {slot!r}, expected shape {expect} {g.dtype} "
+            f"({nbytes} bytes) inside a {pool.size}-byte pool"
+        )
+    np_dtype = STORAGE_DTYPES[g.dtype][0]
+    view: np.ndarray = pool.view[slot.offset : slot.offset + slot.length].view(np_dtype)
+    return view.reshape(expect)
+
+
+def copy_into_slots(
+    cache: CpuKVCache,
+    ids: np.ndarray,
+    slots: Sequence[PoolSlot],
+    chunk_indices: Sequence[int],
+    pool: Pool,
+    chunk_size: int,
+) -> None:
+    """PREPARE_STORE's slots are filled from the blocks of their chunk of the key."""
+    if len(slots) != len(chunk_indices):
+        raise ProtocolMismatch(f"PREPARE_STORE returned {len(slots)} slots for "
+                               f"{len(chunk_indices)} chunk indices")
+    g = cache.geometry
+    per_chunk = chunk_size // g.block_size
+    num_chunks = len(ids) // per_chunk
+    for slot, ci in zip(slots, chunk_indices, strict=True):
+        if not 0 <= ci < num_chunks:
+            raise ProtocolMismatch(f"PREPARE_STORE named chunk {ci} of a {num_chunks}-chunk key")
+        target = slot_view(pool, slot, g, chunk_size)
+        gather_chunk(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], target, g)
+
+
+def copy_from_slots(
+    cache: CpuKVCache,
+    ids: np.ndarray,
+    slots: Sequence[PoolSlot],
+    pool: Pool,
+    chunk_size: int,
+    skip_first_n_tokens: int,
+) -> None:
+    """PREPARE_RETRIEVE's slots (one per chunk of the key, in order) are copied into the
+    blocks, leaving the first ``skip_first_n_tokens`` (whole blocks) untouched."""
+    g = cache.geometry
+    per_chunk = chunk_size // g.block_size
+    if len(slots) != len(ids) // per_chunk:
+        raise ProtocolMismatch(f"PREPARE_RETRIEVE returned {len(slots)} slots for "
+                               f"{len(ids) // per_chunk} chunks")
+    skip_blocks = skip_first_n_tokens // g.block_size
+    for ci, slot in enumerate(slots):
+        scatter_chunk(slot_view(pool, slot, g, chunk_size), cache.layers,
+                      ids[ci * per_chunk : (ci + 1) * per_chunk], g,
+                      skip_blocks=max(0, skip_blocks - ci * per_chunk))

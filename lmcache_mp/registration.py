@@ -1,0 +1,509 @@
+"""Registration: one KV cache registered with the server, and kept registered.
+
+A :class:`Registration` carries everything a registration knows (instance id, model,
+world size, rank, chunk size, transfer mode, the server's pool), so that transfers need
+only a key and block ids, and one ``store`` / ``retrieve`` works in either mode.
+
+Keeping it registered. The server forgets a registration when it restarts, and
+reaps one that stays silent too long. Either way it then drops every STORE /
+RETRIEVE without a reply. So before each transfer the registration checks that it
+is *bound*: made on the current connection (a reconnect may reach a restarted
+server), not after a failed heartbeat, and refreshed (a PING, a transfer or a
+register) within the server's shortest reap budget. If not, it registers again first
+(the server treats a repeated REGISTER of a live instance as a refresh), holding the
+transfer within its deadline. Transfers are sent bound to the connection they were
+checked on, so one that would reach a new server unregistered is held back and sent
+again after re-registering (see :meth:`Transport.submit`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+
+from .blocks import BlockIds, TransferLayout, normalize_block_ids
+from .checks import is_int
+from .connection import Connection
+from .engine_driven import NO_POOL_HELP, Pool, PoolMaps, copy_from_slots, copy_into_slots
+from .errors import (
+    ConnectionChanged,
+    InvalidArgument,
+    LMCacheMPError,
+    ProtocolMismatch,
+    RequestTimeout,
+)
+from .futures import ReplyFuture, blocking
+from .ipc.base import ExportableKVCache
+from .ipc.cpu_cache import CpuKVCache
+from .keys import CacheKey
+from .protocol import decode_reply
+from .protocol.operations import Operation
+from .protocol.types import (
+    EngineGroupInfo,
+    PrepareRetrieveResponse,
+    PrepareStoreResponse,
+    RegisterEngineDrivenContextPayload,
+    RegisterEngineDrivenContextResponse,
+)
+from .transport import PendingRequest
+
+if TYPE_CHECKING:
+    from .request import Request
+
+__all__ = ["Registration", "Mode", "Binding"]
+
+log = logging.getLogger("lmcache_mp")
+
+#: ``"lmcache"``: the server maps the cache and copies blocks itself; ``"engine"``: this
+#: client copies blocks through the server's shared-memory pool (CPU caches).
+Mode = Literal["lmcache", "engine"]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What one (re-)registration established: the connection it was made on and, for
+    engine-driven registrations, the server's pool as mapped here."""
+
+    epoch: int
+    pool: Pool | None = None
+    pool_info: RegisterEngineDrivenContextResponse | None = None
+
+
+class RegistrationOwner(Protocol):
+    """What a registration needs from its client (see :mod:`lmcache_mp.liveness`)."""
+
+    conn: Connection
+    pools: PoolMaps
+    stale_after: float
+
+    def discard(self, reg: Registration) -> None: ...
+    def recovered(self, reg: Registration) -> None: ...
+
+
+class Registration:
+    """One registered KV cache; made by :meth:`Client.register`. A context manager that
+    unregisters on exit. Thread-safe."""
+
+    def __init__(
+        self,
+        owner: RegistrationOwner,
+        cache: ExportableKVCache,
+        mode: Mode,
+        layout: TransferLayout,
+        worker_id: int,
+    ) -> None:
+        self._owner = owner
+        self._conn = owner.conn
+        self.cache = cache
+        self.mode: Mode = mode
+        self.layout = layout
+        self.worker_id = worker_id
+        self._binding: Binding | None = None
+        self._last_refresh = 0.0
+        self._suspect = False  # a heartbeat failed: the server may have lost us
+        self._recover_lock = threading.Lock()
+        self._requests: weakref.WeakSet[Request] = weakref.WeakSet()
+        #: How many times this registration was re-sent on its own (restart, reap).
+        self.recoveries = 0
+
+    # ------------------------------------------------------------ what it is
+    @property
+    def instance_id(self) -> int:
+        return self.layout.instance_id
+
+    @property
+    def model_name(self) -> str:
+        return self.layout.model_name
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def chunk_size(self) -> int:
+        return self.layout.chunk_size
+
+    @property
+    def groups(self) -> tuple[EngineGroupInfo, ...]:
+        return self.layout.groups
+
+    @property
+    def registered(self) -> bool:
+        return self._binding is not None
+
+    @property
+    def pool_info(self) -> RegisterEngineDrivenContextResponse | None:
+        """Where the server's L1 pool is (engine-driven mode), as it last answered."""
+        b = self._binding
+        return None if b is None else b.pool_info
+
+    def __repr__(self) -> str:
+        state = "registered" if self.registered else "unregistered"
+        return (f"<lmcache_mp.Registration instance={self.instance_id} {self.mode} "
+                f"model={self.model_name!r} world_size={self.world_size} {state}>")
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not self.registered:
+            return
+        try:
+            self.unregister()
+        except LMCacheMPError as err:
+            if exc_type is None:
+                raise
+            log.warning("lmcache_mp: unregistering instance %d on error exit failed: %s",
+                        self.instance_id, err)
+
+    # -------------------------------------------------------- (re)registering
+    def _register_on_server(self, deadline: float) -> Binding:
+        """Send this registration's REGISTER and return what it established."""
+        conn, cache = self._conn, self.cache
+        if cache.closed or cache.unlinked:
+            raise InvalidArgument(
+                "this KV cache was closed or unlinked (its shared-memory names are gone), so "
+                "the server cannot map it again; allocate a new cache and register that")
+        if self.mode == "lmcache":
+            payloads = conn.profile.register_payloads(
+                self.instance_id, cache.export_layers(), self.model_name, self.world_size,
+                cache.kv_layout, self.groups)
+            op, p = conn.submit("REGISTER_KV_CACHE", payloads, _remaining(deadline, "REGISTER"))
+            decode_reply(op, conn.transport.wait(p))
+            return Binding(p.sent_epoch)
+        op, p = conn.submit("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
+                            (self._engine_payload(),), _remaining(deadline, "REGISTER"))
+        info: RegisterEngineDrivenContextResponse = decode_reply(op, conn.transport.wait(p))
+        return self._bind_pool(info, p.sent_epoch, deadline)
+
+    def _establish(self, deadline: float, *, fall_back: bool) -> None:
+        """The first REGISTER. With ``fall_back`` (mode "auto": an engine-driven try), a
+        server without the engine-driven handler or without a pool gets a server-copy
+        registration instead, and :attr:`mode` says so."""
+        sent_at = time.monotonic()
+        binding = self._try_engine_driven(deadline) if fall_back else None
+        if binding is None:
+            if fall_back:
+                self.mode = "lmcache"
+            sent_at = time.monotonic()
+            binding = self._register_on_server(deadline)
+        self._bind(binding, sent_at)
+
+    def _try_engine_driven(self, deadline: float) -> Binding | None:
+        conn = self._conn
+        transport = conn.transport
+        op, p = conn.submit("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (self._engine_payload(),),
+                            _remaining(deadline, "REGISTER"))
+        # Both run on the server's message thread in arrival order, so once the NOOP
+        # is answered a missing REGISTER reply means "no handler" (a server started
+        # with --supported-transfer-mode lmcache_driven), not "slow".
+        _, fence = conn.submit("NOOP", (), _remaining(deadline, "REGISTER"))
+        try:
+            transport.wait(fence)
+        except LMCacheMPError:
+            transport.cancel(p)
+            raise
+        if not transport.poll(p):
+            transport.cancel(p)
+            return None
+        info: RegisterEngineDrivenContextResponse = decode_reply(op, transport.wait(p))
+        if not info.shm_name or info.pool_size <= 0:
+            conn.call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (self.instance_id,),
+                      _remaining(deadline, "UNREGISTER"))
+            return None
+        return Binding(p.sent_epoch, self._owner.pools.acquire(info.shm_name, info.pool_size,
+                                                               p.sent_epoch), info)
+
+    def _engine_payload(self) -> RegisterEngineDrivenContextPayload:
+        g = self.cache.geometry
+        return RegisterEngineDrivenContextPayload(
+            instance_id=self.instance_id, model_name=self.model_name,
+            world_size=self.world_size, block_size=g.block_size, num_layers=g.num_layers,
+            hidden_dim_size=g.hidden_dim, dtype_str=g.dtype, use_mla=g.mla)
+
+    def _bind_pool(self, info: RegisterEngineDrivenContextResponse, epoch: int,
+                   deadline: float) -> Binding:
+        if not info.shm_name or info.pool_size <= 0:
+            self._conn.call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (self.instance_id,),
+                            _remaining(deadline, "UNREGISTER"))
+            raise ProtocolMismatch(NO_POOL_HELP)
+        pool = self._owner.pools.acquire(info.shm_name, info.pool_size, epoch)
+        return Binding(epoch, pool, info)
+
+    def _bind(self, binding: Binding, sent_at: float) -> None:
+        """Called once the server confirmed ``binding`` (initial or recovery)."""
+        old, self._binding = self._binding, binding
+        self._last_refresh = sent_at
+        self._suspect = False
+        if old is not None:
+            self._owner.pools.release(old.pool)
+
+    def _bound(self, deadline: float) -> Binding:
+        """The current binding, registering again first if the server may have lost it."""
+        b = self._binding
+        if b is None:
+            raise InvalidArgument(
+                f"instance {self.instance_id} is unregistered; register the cache again")
+        epoch = self._conn.transport.refresh()
+        if (b.epoch == epoch and not self._suspect
+                and time.monotonic() - self._last_refresh < self._owner.stale_after):
+            return b
+        return self._recover(deadline, b)
+
+    def _recover(self, deadline: float, seen: Binding) -> Binding:
+        restarted = False
+        with self._recover_lock:
+            b = self._binding
+            if b is None:
+                raise InvalidArgument(
+                    f"instance {self.instance_id} was unregistered while a transfer waited")
+            if b is not seen:
+                return b  # another thread re-registered meanwhile
+            restarted = b.epoch != self._conn.transport.epoch or self._suspect
+            chunk = self._conn.chunk_size(_remaining(deadline, "GET_CHUNK_SIZE"))
+            if chunk != self.chunk_size:
+                raise ProtocolMismatch(
+                    f"the server now uses chunk size {chunk}, but instance {self.instance_id} "
+                    f"was registered with {self.chunk_size}: register the cache again")
+            sent_at = time.monotonic()
+            new = self._register_on_server(deadline)
+            self._bind(new, sent_at)
+            self.recoveries += 1
+        log.info("lmcache_mp: re-registered instance %d (%s)", self.instance_id,
+                 "new connection or failed heartbeat" if restarted else "silent too long")
+        if restarted:
+            self._owner.recovered(self)
+        return new
+
+    def _keep_alive(self, seconds: float) -> None:
+        """One heartbeat: register again if needed, else PING(instance_id)."""
+        deadline = time.monotonic() + seconds
+        b = self._binding
+        if b is None:
+            return
+        epoch = self._conn.transport.refresh()
+        if (b.epoch != epoch or self._suspect
+                or time.monotonic() - self._last_refresh >= self._owner.stale_after):
+            self._recover(deadline, b)
+            return
+        sent_at = time.monotonic()
+        try:
+            self._conn.call("PING", (self.instance_id,), seconds)
+        except LMCacheMPError:
+            self._suspect = True
+            raise
+        self._touch(sent_at)
+
+    def _touch(self, sent_at: float) -> None:
+        # The server refreshed its timer when it handled a request sent at sent_at.
+        if sent_at > self._last_refresh:
+            self._last_refresh = sent_at
+
+    # -------------------------------------------------------------- requests
+    def request(
+        self,
+        token_ids: Sequence[int] | Any,
+        *,
+        request_id: str | None = None,
+        cache_salt: str = "",
+        tp_size: int = 1,
+    ) -> Request:
+        """A :class:`~lmcache_mp.Request` for one prompt: lookup, store, retrieve by
+        token range; on exit it frees the read locks it still holds and ends its
+        server session. ``request_id`` is generated when not given."""
+        from .request import Request
+
+        req = Request(self, token_ids, request_id=request_id, cache_salt=cache_salt,
+                      tp_size=tp_size)
+        self._requests.add(req)
+        return req
+
+    def lookup_async(self, key: CacheKey, *, tp_size: int = 1,
+                     timeout: float | None = None) -> ReplyFuture[int]:
+        """LOOKUP then wait: how many leading tokens of ``key.token_ids`` are cached for
+        every rank (whole chunks). They stay read-locked for a RETRIEVE."""
+        if not isinstance(key, CacheKey) or (key.model_name, key.world_size) != (
+                self.model_name, self.world_size):
+            raise InvalidArgument(f"LOOKUP: expected a CacheKey for model {self.model_name!r} / "
+                                  f"world_size {self.world_size}, got {key!r}")
+        chunk = self.chunk_size
+        return self._conn.lookup_async(key, tp_size, timeout, lambda hits: hits * chunk)
+
+    lookup = blocking(lookup_async)
+
+    def store_async(self, key: CacheKey, block_ids: BlockIds, *, timeout: float | None = None,
+                    stream: Any = None) -> ReplyFuture[bool]:
+        """STORE tokens ``[key.start, key.end)`` held in ``block_ids`` (one id per block
+        of the range, in order; one list per group for multi-group caches). True when
+        stored (chunks cached already count as stored). The chunks become visible to
+        LOOKUP shortly after the reply. ``stream`` (CUDA caches): the server's copy
+        starts after work queued on it, and it waits for the copy."""
+        deadline = time.monotonic() + self._conn.seconds(timeout)
+        groups = self._checked(key, block_ids, "STORE")
+        if self.mode == "engine":
+            return self._engine_store(key, groups, deadline)
+        return self._server_copy("STORE", key, groups, (), deadline, stream)
+
+    store = blocking(store_async)
+
+    def retrieve_async(self, key: CacheKey, block_ids: BlockIds, *,
+                       skip_first_n_tokens: int = 0, timeout: float | None = None,
+                       stream: Any = None) -> ReplyFuture[bool]:
+        """RETRIEVE tokens ``[key.start, key.end)`` into ``block_ids``. Needs a LOOKUP
+        hit covering the range first (the retrieve releases its read locks); False when
+        a chunk is missing. ``skip_first_n_tokens`` (from ``start``, rounded down to
+        whole blocks) leaves leading blocks untouched. ``stream`` (CUDA caches): made to
+        wait for the server's copy before reading."""
+        deadline = time.monotonic() + self._conn.seconds(timeout)
+        groups = self._checked(key, block_ids, "RETRIEVE")
+        if (not is_int(skip_first_n_tokens)
+                or not 0 <= skip_first_n_tokens <= key.end - key.start):
+            raise InvalidArgument(f"skip_first_n_tokens must be an int in "
+                                  f"[0, {key.end - key.start}], got {skip_first_n_tokens!r}")
+        if self.mode == "engine":
+            return self._engine_retrieve(key, groups, skip_first_n_tokens, deadline)
+        return self._server_copy("RETRIEVE", key, groups, (skip_first_n_tokens,), deadline,
+                                 stream)
+
+    retrieve = blocking(retrieve_async)
+
+    def _checked(self, key: CacheKey, block_ids: BlockIds, op: str) -> list[list[int]]:
+        if self._binding is None:
+            raise InvalidArgument(
+                f"{op}: instance {self.instance_id} is unregistered; register the cache again")
+        self.layout.check_key(key, op)
+        return normalize_block_ids(block_ids, key, self.layout, op)
+
+    def _worker(self, key: CacheKey) -> int:
+        """The KV rank of a transfer: the key's, else the registration's."""
+        return self.worker_id if key.worker_id is None else key.worker_id
+
+    # --------------------------------------------- LMCache-driven transfers
+    def _server_copy(self, op_name: str, key: CacheKey, groups: list[list[int]],
+                     extra: tuple[Any, ...], deadline: float, stream: Any) -> ReplyFuture[bool]:
+        conn, cache = self._conn, self.cache
+        worker = self._worker(key)
+        # The event orders the server's copy after the caller's stream (CUDA); the
+        # token (the event) must live until the reply. A CPU server ignores it.
+        event, token = cache.begin_transfer(stream)
+        sent: list[tuple[Operation, float]] = []
+
+        def submit() -> PendingRequest:
+            b = self._bound(deadline)
+            wire = conn.profile.transfer_key(key, worker)
+            sent_at = time.monotonic()
+            op, p = conn.submit(op_name, (wire, self.instance_id, groups, event, *extra),
+                                _remaining(deadline, op_name), epoch=b.epoch)
+            sent.append((op, sent_at))
+            return p
+
+        def finish(frames: list[bytes]) -> bool:
+            op, sent_at = sent[-1]
+            server_event, ok = decode_reply(op, frames)
+            self._touch(sent_at)
+            cache.end_transfer(server_event, stream, token)
+            return bool(ok)
+
+        return ReplyFuture(conn.transport, submit(), finish, resubmit=submit)
+
+    # ---------------------------------------------- engine-driven transfers
+    def _prepare(self, op_name: str, key: CacheKey, deadline: float) -> tuple[Binding, Any, Any]:
+        """PREPARE_* bound to the current connection, re-registering when it changed."""
+        conn = self._conn
+        wire = None
+        while True:
+            b = self._bound(deadline)
+            wire = conn.profile.transfer_key(key, self._worker(key))
+            sent_at = time.monotonic()
+            op, p = conn.submit(op_name, (wire, self.instance_id),
+                                _remaining(deadline, op_name), epoch=b.epoch)
+            try:
+                prepared = decode_reply(op, conn.transport.wait(p))
+            except ConnectionChanged:
+                continue
+            self._touch(sent_at)
+            return b, wire, prepared
+
+    def _engine_store(self, key: CacheKey, groups: list[list[int]],
+                      deadline: float) -> ReplyFuture[bool]:
+        cache = self.cache
+        assert isinstance(cache, CpuKVCache)  # enforced at registration
+        b, wire, prepared = self._prepare("PREPARE_STORE", key, deadline)
+        assert isinstance(prepared, PrepareStoreResponse) and b.pool is not None
+        ctx = prepared.context
+        if not ctx.slots:
+            return ReplyFuture.completed(True)  # every chunk is cached already
+        copy_into_slots(cache, np.asarray(groups[0], dtype=np.int64), ctx.slots,
+                        ctx.chunk_indices, b.pool, self.chunk_size)
+        return self._commit("COMMIT_STORE", (wire, self.instance_id, b""), b, deadline, bool)
+
+    def _engine_retrieve(self, key: CacheKey, groups: list[list[int]], skip: int,
+                         deadline: float) -> ReplyFuture[bool]:
+        cache = self.cache
+        assert isinstance(cache, CpuKVCache)
+        b, wire, prepared = self._prepare("PREPARE_RETRIEVE", key, deadline)
+        assert isinstance(prepared, PrepareRetrieveResponse) and b.pool is not None
+        if not prepared.success:
+            return ReplyFuture.completed(False)
+        try:
+            copy_from_slots(cache, np.asarray(groups[0], dtype=np.int64),
+                            prepared.context.slots, b.pool, self.chunk_size, skip)
+        except BaseException:
+            # Release the read locks even when the copy failed.
+            self._commit("COMMIT_RETRIEVE", (wire, self.instance_id), b, deadline,
+                         _true).exception()
+            raise
+        return self._commit("COMMIT_RETRIEVE", (wire, self.instance_id), b, deadline, _true)
+
+    def _commit(self, op_name: str, payloads: tuple[Any, ...], b: Binding, deadline: float,
+                convert: Callable[[Any], bool]) -> ReplyFuture[bool]:
+        conn = self._conn
+        sent_at = time.monotonic()
+        op, p = conn.submit(op_name, payloads, _remaining(deadline, op_name), epoch=b.epoch)
+
+        def finish(frames: list[bytes]) -> bool:
+            value = convert(decode_reply(op, frames))
+            self._touch(sent_at)
+            return value
+
+        return ReplyFuture(conn.transport, p, finish)
+
+    # ----------------------------------------------------------- unregister
+    def unregister(self, *, timeout: float | None = None, unlink: bool = True) -> None:
+        """End the requests still open, UNREGISTER, then (``unlink``) remove the CPU
+        cache's shared-memory names. Local state goes even if the server does not
+        answer (it then reaps the silent registration itself)."""
+        for req in list(self._requests):
+            req.close()
+        b, self._binding = self._binding, None
+        if b is None:
+            return
+        self._owner.discard(self)
+        self._owner.pools.release(b.pool)
+        try:
+            op = ("UNREGISTER_KV_CACHE" if self.mode == "lmcache"
+                  else "UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT")
+            self._conn.call(op, (self.instance_id,), timeout)
+        finally:
+            if unlink:
+                self.cache.unlink()
+
+
+def _true(_: Any) -> bool:
+    return True
+
+
+def _remaining(deadline: float, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RequestTimeout(
+            f"{what}: the call's deadline passed before it could be sent (the client was "
+            f"re-registering with a server that restarted or had dropped this registration)")
+    return left
