@@ -8,8 +8,10 @@ live tests on a machine that cannot install the oracle.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ def free_port() -> int:
 class LiveServer:
     port: int
     version: str
+    args: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -51,6 +54,17 @@ class LiveServer:
         subprocess.run([str(SERVER_SCRIPT), "stop", "--port", str(self.port)], check=False,
                        capture_output=True)
 
+    def kill(self) -> None:
+        """SIGKILL the server (no clean shutdown), then clean up after it."""
+        os.kill(self.pid, signal.SIGKILL)
+        self.stop()
+
+    def start_again(self) -> float:
+        """Start a new server on the same port with the same arguments; returns the
+        ``time.monotonic()`` at which it answered its first request."""
+        _run_start(self.port, self.args)
+        return time.monotonic()
+
 
 def _oracle_dir() -> Path:
     return Path(os.environ.get("LMCACHE_MP_ORACLE_DIR", REPO / ".oracle"))
@@ -60,13 +74,17 @@ def start_server(*extra: str) -> LiveServer:
     if os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1":
         pytest.skip("LMCACHE_MP_SKIP_LIVE=1: live tests against a real LMCache server skipped")
     port = free_port()
+    _run_start(port, extra)
+    return LiveServer(port, SERVER_VERSION, tuple(extra))
+
+
+def _run_start(port: int, extra: tuple[str, ...]) -> None:
     cmd = [str(SERVER_SCRIPT), "start", "--version", SERVER_VERSION, "--port", str(port)]
     if extra:
         cmd += ["--", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"could not start the LMCache server:\n{proc.stdout}\n{proc.stderr}")
-    return LiveServer(port, SERVER_VERSION)
 
 
 @pytest.fixture(scope="session")

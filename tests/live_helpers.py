@@ -1,0 +1,59 @@
+"""Helpers for live tests that move KV bytes through a real server."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from lmcache_mp import CpuKVCache, Registration
+from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR
+
+#: Server arguments that offer both transfer modes (from 0.5.4 the default is
+#: LMCache-driven only) and an L1 pool in shared memory (off unless named from 0.5.4).
+def both_modes_args(tag: str) -> tuple[str, ...]:
+    return ("--supported-transfer-mode", "auto", "--shm-name", f"lmcache_l1_pool_{tag}")
+
+
+def our_segments() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"{NAME_PREFIX}{os.getpid()}_")}
+
+
+def fill_random(kv: CpuKVCache, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for layer in kv.layers:
+        raw = layer.view(np.uint8)
+        raw[...] = rng.integers(0, 256, raw.shape, dtype=np.uint8)
+
+
+def same_blocks(kv: CpuKVCache, src: list[int], dst: list[int]) -> bool:
+    return all(kv.block_bytes(li, s) == kv.block_bytes(li, d)
+               for li in range(kv.geometry.num_layers) for s, d in zip(src, dst, strict=True))
+
+
+def round_trip(reg: Registration, tokens: list[int], src: list[int], dst: list[int],
+               *, timeout: float = 10.0) -> None:
+    """Store ``tokens`` from blocks ``src``, look them up (waiting out the server's
+    asynchronous commit), retrieve into ``dst``; assert byte equality."""
+    kv = reg.cache
+    assert isinstance(kv, CpuKVCache)
+    for layer in kv.layers:
+        if kv.geometry.mla:
+            layer[dst] = 0
+        else:
+            layer[:, dst] = 0
+    with reg.request(tokens) as writer:
+        assert writer.store(src, timeout=timeout) is True
+    deadline = time.monotonic() + timeout
+    while True:  # the server commits a store asynchronously: look until it shows
+        reader = reg.request(tokens)
+        found = reader.lookup(timeout=timeout)
+        if found == len(tokens) or time.monotonic() > deadline:
+            break
+        reader.close()
+        time.sleep(0.02)
+    with reader:
+        assert found == len(tokens), f"lookup found {found} of {len(tokens)} tokens"
+        assert reader.retrieve(dst, timeout=timeout) is True
+    assert same_blocks(kv, src, dst), "retrieved blocks differ from the stored ones"
