@@ -12,10 +12,11 @@ Without --url it starts (and stops) its own server with ``--supported-transfer-m
 auto``; a server given by --url needs that flag too (engine-driven ops).
 
 * lmcache_driven: REGISTER_KV_CACHE of SHM-backed layers; the server copies the blocks
-  itself on STORE / RETRIEVE. Ours: ``Client.store`` / ``Client.retrieve`` on a
-  ``CpuKVCache``. LMCache: ``LMCacheDrivenTransferContext.submit_*().result()``.
+  itself on STORE / RETRIEVE. Ours: ``Registration.store`` / ``.retrieve`` of a
+  ``CpuKVCache`` registered with ``mode="lmcache"``. LMCache:
+  ``LMCacheDrivenTransferContext.submit_*().result()``.
 * engine_driven: the worker copies between its paged cache and the server's L1 pool
-  (PREPARE_* / copy / COMMIT_*). Ours: ``store_engine_driven`` / ``retrieve_engine_driven``.
+  (PREPARE_* / copy / COMMIT_*). Ours: the same calls with ``mode="engine"``.
   LMCache: ``EngineDrivenTransferContext.submit_*().result()``.
 
 Each client has its own KV cache, model name and instance id (so each really copies),
@@ -52,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from lmcache_mp import CacheKey, Client, CpuKVCache  # noqa: E402
+from lmcache_mp import CacheKey, Client, CpuKVCache, Registration  # noqa: E402
 from lmcache_mp.ipc.cpu_cache import STORAGE_DTYPES  # noqa: E402
 from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR  # noqa: E402
 
@@ -67,31 +68,25 @@ def our_segments() -> set[str]:
 
 
 class OurSide:
-    """A CpuKVCache registered with lmcache_mp in one transfer mode."""
+    """A CpuKVCache registered with lmcache_mp in one transfer mode: its Registration
+    carries the mode, instance and model, so store / retrieve are the same calls."""
 
     def __init__(self, client: Client, mode: str, *, num_layers: int, num_blocks: int,
                  num_heads: int, block_size: int, head_dim: int, dtype: str,
                  instance_id: int, model_name: str) -> None:
         self.client, self.mode = client, mode
-        self.instance_id, self.model_name = instance_id, model_name
         self.chunk_size = client.chunk_size()
         self.kv = CpuKVCache.allocate(num_layers=num_layers, num_blocks=num_blocks,
                                       block_size=block_size, num_heads=num_heads,
                                       head_dim=head_dim, dtype=dtype)
-        self.registered = False
         try:
-            if mode == "lmcache_driven":
-                client.register_kv_cache(self.kv, instance_id=instance_id, model_name=model_name)
-                self._store, self._retrieve = client.store, client.retrieve
-            else:
-                client.register_kv_cache_engine_driven(self.kv, instance_id=instance_id,
-                                                       model_name=model_name)
-                self._store = client.store_engine_driven
-                self._retrieve = client.retrieve_engine_driven
+            self.reg: Registration | None = client.register(
+                self.kv, model_name=model_name, instance_id=instance_id,
+                mode="lmcache" if mode == "lmcache_driven" else "engine")
         except BaseException:
             self.kv.close()
             raise
-        self.registered = True
+        self.model_name = model_name
 
     def fill(self, block_ids: Sequence[int], seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -114,16 +109,18 @@ class OurSide:
                         token_ids=tokens, start=0, end=len(tokens), request_id=rid)
 
     def store(self, key: CacheKey, block_ids: list[int]) -> float:
+        assert self.reg is not None
         start = time.perf_counter()
-        ok = self._store(key, block_ids, instance_id=self.instance_id, timeout=TIMEOUT)
+        ok = self.reg.store(key, block_ids, timeout=TIMEOUT)
         elapsed = time.perf_counter() - start
         if not ok:
             raise RuntimeError(f"lmcache_mp {self.mode} store failed")
         return elapsed
 
     def retrieve(self, key: CacheKey, block_ids: list[int]) -> float:
+        assert self.reg is not None
         start = time.perf_counter()
-        ok = self._retrieve(key, block_ids, instance_id=self.instance_id, timeout=TIMEOUT)
+        ok = self.reg.retrieve(key, block_ids, timeout=TIMEOUT)
         elapsed = time.perf_counter() - start
         if not ok:
             raise RuntimeError(f"lmcache_mp {self.mode} retrieve failed")
@@ -135,19 +132,16 @@ class OurSide:
         return hits, time.perf_counter() - start
 
     def free_locks(self, key: CacheKey, hits: int) -> None:
-        self.client.free_lookup_locks(key.replace(start=0, end=hits * self.chunk_size))
+        self.client.free_lookup_locks(key.with_range(0, hits * self.chunk_size))
 
     def end_session(self, rid: str) -> None:
         self.client.end_session(rid)
 
     def close(self) -> None:
         try:
-            if self.registered:
-                self.registered = False
-                if self.mode == "lmcache_driven":
-                    self.client.unregister_kv_cache(self.instance_id)
-                else:
-                    self.client.unregister_kv_cache_engine_driven(self.instance_id)
+            if self.reg is not None:
+                reg, self.reg = self.reg, None
+                reg.unregister()
         finally:
             self.kv.close()
 

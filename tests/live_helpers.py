@@ -7,8 +7,9 @@ import time
 
 import numpy as np
 
-from lmcache_mp import CpuKVCache, Registration
+from lmcache_mp import CpuKVCache, Registration, Request
 from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR
+
 
 #: Server arguments that offer both transfer modes (from 0.5.4 the default is
 #: LMCache-driven only) and an L1 pool in shared memory (off unless named from 0.5.4).
@@ -45,15 +46,25 @@ def round_trip(reg: Registration, tokens: list[int], src: list[int], dst: list[i
             layer[:, dst] = 0
     with reg.request(tokens) as writer:
         assert writer.store(src, timeout=timeout) is True
+    with lookup_all(reg, tokens, timeout=timeout) as reader:
+        assert reader.retrieve(dst, timeout=timeout) is True
+    assert same_blocks(kv, src, dst), "retrieved blocks differ from the stored ones"
+
+
+def lookup_all(reg: Registration, tokens: list[int], *, timeout: float = 10.0,
+               expect: int | None = None) -> Request:
+    """An open Request whose lookup found ``expect`` tokens (default: every whole chunk),
+    looking again until the server's asynchronous commit shows them."""
+    want = len(tokens) - len(tokens) % reg.chunk_size if expect is None else expect
     deadline = time.monotonic() + timeout
-    while True:  # the server commits a store asynchronously: look until it shows
+    while True:
         reader = reg.request(tokens)
         found = reader.lookup(timeout=timeout)
-        if found == len(tokens) or time.monotonic() > deadline:
+        if found >= want or time.monotonic() > deadline:
             break
         reader.close()
         time.sleep(0.02)
-    with reader:
-        assert found == len(tokens), f"lookup found {found} of {len(tokens)} tokens"
-        assert reader.retrieve(dst, timeout=timeout) is True
-    assert same_blocks(kv, src, dst), "retrieved blocks differ from the stored ones"
+    if found < want:
+        reader.close()
+        raise AssertionError(f"lookup found {found} of {want} tokens")
+    return reader

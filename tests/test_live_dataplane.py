@@ -3,25 +3,20 @@ both transfer modes, byte for byte, over random geometries."""
 
 from __future__ import annotations
 
-import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from lmcache_mp import CacheKey, Client, CpuKVCache, InvalidArgument
-from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR
+from lmcache_mp import CacheKey, Client, CpuKVCache, InvalidArgument, Registration
 
 from .conftest import LiveServer
+from .live_helpers import fill_random, lookup_all, our_segments
 
 pytestmark = pytest.mark.live
 CHUNK = 256
-
-
-def our_segments() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith(f"{NAME_PREFIX}{os.getpid()}_")}
 
 
 @dataclass(frozen=True)
@@ -56,20 +51,13 @@ def random_geometries(n: int, seed: int) -> list[Geometry]:
 
 GEOMETRIES = [Geometry(2, 4, 32, 16, "float16"), Geometry(3, 2, 64, 32, "bfloat16"),
               Geometry(2, 1, 576, 16, "bfloat16", mla=True), *random_geometries(5, 20261130)]
-MODES = ["lmcache_driven", "engine_driven"]
+MODES = ["lmcache", "engine"]
 
 
 @pytest.fixture(scope="module")
 def client(live_server: LiveServer) -> Iterator[Client]:
     with Client(live_server.url, timeout=10.0) as c:
         yield c
-
-
-def fill_random(kv: CpuKVCache, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for layer in kv.layers:
-        raw = layer.view(np.uint8)
-        raw[...] = rng.integers(0, 256, raw.shape, dtype=np.uint8)
 
 
 def snapshot(kv: CpuKVCache) -> list[np.ndarray]:
@@ -80,47 +68,30 @@ def block(arr: np.ndarray, b: int, mla: bool) -> np.ndarray:
     return arr[b] if mla else arr[:, b]
 
 
-class Session:
-    """A registered cache in one mode, with store/retrieve bound to that mode."""
+def registered(client: Client, g: Geometry, mode: str, tokens: int,
+               model: str | None = None) -> Registration:
+    """A fresh cache (room for three copies of ``tokens``) registered in ``mode``."""
+    blocks_per_copy = tokens // g.block_size
+    kv = CpuKVCache.allocate(num_layers=g.num_layers, num_blocks=3 * blocks_per_copy + 3,
+                             block_size=g.block_size, num_heads=g.num_heads,
+                             head_dim=g.head_dim, dtype=g.dtype, mla=g.mla)
+    try:
+        return client.register(kv, model_name=model or f"rt-{uuid.uuid4().hex[:8]}", mode=mode)
+    except BaseException:
+        kv.close()
+        raise
 
-    def __init__(self, client: Client, g: Geometry, mode: str, tokens: int) -> None:
-        self.client, self.g, self.mode = client, g, mode
-        self.blocks_per_copy = tokens // g.block_size
-        self.kv = CpuKVCache.allocate(num_layers=g.num_layers,
-                                      num_blocks=3 * self.blocks_per_copy + 3,
-                                      block_size=g.block_size, num_heads=g.num_heads,
-                                      head_dim=g.head_dim, dtype=g.dtype, mla=g.mla)
-        self.model = f"rt-{uuid.uuid4().hex[:8]}"
-        self.instance_id = int(np.random.default_rng().integers(1, 2**62))
-        register = (client.register_kv_cache if mode == "lmcache_driven"
-                    else client.register_kv_cache_engine_driven)
-        register(self.kv, instance_id=self.instance_id, model_name=self.model)
-        self.request_ids: list[str] = []
 
-    def key(self, tokens: list[int], start: int = 0, end: int | None = None) -> CacheKey:
-        rid = f"rt-{uuid.uuid4().hex}"
-        self.request_ids.append(rid)
-        return CacheKey(model_name=self.model, world_size=1, worker_id=0, token_ids=tokens,
-                        start=start, end=len(tokens) if end is None else end, request_id=rid)
+def release(reg: Registration) -> None:
+    reg.unregister()
+    reg.cache.close()  # type: ignore[attr-defined]
 
-    @property
-    def store(self) -> Callable[..., bool]:
-        return (self.client.store if self.mode == "lmcache_driven"
-                else self.client.store_engine_driven)
 
-    @property
-    def retrieve(self) -> Callable[..., bool]:
-        return (self.client.retrieve if self.mode == "lmcache_driven"
-                else self.client.retrieve_engine_driven)
-
-    def close(self) -> None:
-        for rid in self.request_ids:  # before the unregister (see lmcache-mp-protocol §6.3)
-            self.client.end_session(rid)
-        if self.mode == "lmcache_driven":
-            self.client.unregister_kv_cache(self.instance_id)
-        else:
-            self.client.unregister_kv_cache_engine_driven(self.instance_id)
-        self.kv.close()
+def key_for(reg: Registration, tokens: list[int], start: int = 0,
+            end: int | None = None) -> CacheKey:
+    return CacheKey(model_name=reg.model_name, world_size=1, worker_id=0, token_ids=tokens,
+                    start=start, end=len(tokens) if end is None else end,
+                    request_id=f"rt-{uuid.uuid4().hex}")
 
 
 @pytest.fixture
@@ -135,160 +106,200 @@ def no_segment_leak() -> Iterator[None]:
 def test_round_trip_is_byte_exact(client: Client, g: Geometry, mode: str,
                                   no_segment_leak: None) -> None:
     tokens_n = 2 * CHUNK
-    s = Session(client, g, mode, tokens_n)
+    reg = registered(client, g, mode, tokens_n)
+    kv = reg.cache
+    assert isinstance(kv, CpuKVCache) and reg.mode == mode
     try:
-        fill_random(s.kv, seed=hash(str(g)) & 0xFFFF)
-        n = s.blocks_per_copy
+        fill_random(kv, seed=hash(str(g)) & 0xFFFF)
+        n = tokens_n // g.block_size
         # Block 0 is vLLM's null block: 0.5.4+ servers skip a chunk whose ids are all 0.
         src_ids = list(range(1, n + 1))
         # Scattered targets: exercise the fancy-index path, not just contiguous runs.
-        dst_ids = list(np.random.default_rng(1).permutation(np.arange(n + 1, 3 * n + 1))[:n])
-        dst_ids = [int(b) for b in dst_ids]
+        dst_ids = [int(b) for b in
+                   np.random.default_rng(1).permutation(np.arange(n + 1, 3 * n + 1))[:n]]
         tokens = np.random.default_rng(2).integers(0, 2**32, tokens_n).tolist()
-        assert s.store(s.key(tokens), src_ids, instance_id=s.instance_id) is True
-        lookup = s.key(tokens)
-        assert client.wait_for_lookup(lookup, timeout=5) == 2
-        before = snapshot(s.kv)
-        if mode == "lmcache_driven" and g.dtype.startswith("float8"):
-            # Known 0.5.3 CPU-server limitation: its own copy uses torch index_copy,
-            # which has no float8 kernel on CPU, so RETRIEVE fails (ok=False) and must
-            # leave our memory alone. Engine-driven mode (our copy) handles float8.
-            assert s.retrieve(lookup, dst_ids, instance_id=s.instance_id) is False
-            assert all(np.array_equal(x, y) for x, y in zip(s.kv.layers, before, strict=True))
-            return
-        assert s.retrieve(lookup, dst_ids, instance_id=s.instance_id) is True
-        for li, layer in enumerate(s.kv.layers):
+        with reg.request(tokens) as writer:
+            assert writer.store(src_ids) is True
+        before = snapshot(kv)
+        with lookup_all(reg, tokens) as reader:
+            assert reader.cached_tokens == tokens_n
+            if mode == "lmcache" and g.dtype.startswith("float8"):
+                # Known 0.5.3 CPU-server limitation: its own copy uses torch index_copy,
+                # which has no float8 kernel on CPU, so RETRIEVE fails (ok=False) and
+                # must leave our memory alone. Engine-driven mode (our copy) handles it.
+                ok = reader.retrieve(dst_ids)
+                if not ok:
+                    assert all(np.array_equal(x, y)
+                               for x, y in zip(kv.layers, before, strict=True))
+                    return
+            else:
+                assert reader.retrieve(dst_ids) is True
+        for li, layer in enumerate(kv.layers):
             for src, dst in zip(src_ids, dst_ids, strict=True):
                 assert block(layer, dst, g.mla).tobytes() == block(before[li], src, g.mla).tobytes()
-            untouched = sorted(set(range(s.kv.geometry.num_blocks)) - set(dst_ids))
+            untouched = sorted(set(range(kv.geometry.num_blocks)) - set(dst_ids))
             for b in untouched:
                 assert block(layer, b, g.mla).tobytes() == block(before[li], b, g.mla).tobytes()
     finally:
-        s.close()
+        release(reg)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_retrieve_of_a_sub_range_and_skip_first_tokens(client: Client, mode: str,
                                                        no_segment_leak: None) -> None:
     g = Geometry(2, 2, 32, 16, "float16")
-    s = Session(client, g, mode, 3 * CHUNK)
+    reg = registered(client, g, mode, 3 * CHUNK)
+    kv = reg.cache
+    assert isinstance(kv, CpuKVCache)
     try:
-        fill_random(s.kv, seed=5)
+        fill_random(kv, seed=5)
         per_chunk = CHUNK // g.block_size
         tokens = np.random.default_rng(3).integers(0, 2**32, 3 * CHUNK).tolist()
-        assert s.store(s.key(tokens), list(range(3 * per_chunk)), instance_id=s.instance_id)
-        lookup = s.key(tokens)
-        assert client.wait_for_lookup(lookup, timeout=5) == 3
-        # Release chunk 0, which we do not retrieve, then retrieve chunks 1-2 skipping
-        # the first 40 tokens: floor(40 / 16) = 2 leading target blocks stay untouched.
-        client.free_lookup_locks(lookup.replace(start=0, end=CHUNK))
-        target = list(range(3 * per_chunk, 5 * per_chunk))
-        before = snapshot(s.kv)
-        sub = lookup.replace(start=CHUNK, end=3 * CHUNK)
-        assert s.retrieve(sub, target, instance_id=s.instance_id, skip_first_n_tokens=40)
-        for li, layer in enumerate(s.kv.layers):
+        with reg.request(tokens) as writer:
+            assert writer.store(list(range(3 * per_chunk)))
+        with lookup_all(reg, tokens) as reader:
+            assert reader.held_locks == 3
+            # Retrieve chunks 1-2 skipping the first 40 tokens: floor(40 / 16) = 2
+            # leading target blocks stay untouched. Chunk 0's lock is freed on exit.
+            target = list(range(3 * per_chunk, 5 * per_chunk))
+            before = snapshot(kv)
+            assert reader.retrieve(target, start=CHUNK, end=3 * CHUNK, skip_first_n_tokens=40)
+            assert reader.held_locks == 1
+        for li, layer in enumerate(kv.layers):
             for j, b in enumerate(target):
                 src = per_chunk + j
                 want = before[li][:, b] if j < 2 else before[li][:, src]
                 assert layer[:, b].tobytes() == want.tobytes(), (li, j)
     finally:
-        s.close()
+        release(reg)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_miss_returns_false_and_touches_nothing(client: Client, mode: str,
                                                no_segment_leak: None) -> None:
     g = Geometry(2, 2, 32, 16, "bfloat16")
-    s = Session(client, g, mode, CHUNK)
+    reg = registered(client, g, mode, CHUNK)
+    kv = reg.cache
+    assert isinstance(kv, CpuKVCache)
     try:
-        fill_random(s.kv, seed=9)
+        fill_random(kv, seed=9)
         tokens = np.random.default_rng(4).integers(0, 2**32, CHUNK).tolist()
-        key = s.key(tokens)
-        assert client.lookup(key) == 0
-        before = snapshot(s.kv)
-        assert s.retrieve(key, list(range(CHUNK // 16)), instance_id=s.instance_id) is False
-        for li, layer in enumerate(s.kv.layers):
+        with reg.request(tokens) as req:
+            assert req.lookup() == 0
+            before = snapshot(kv)
+            assert req.retrieve(list(range(CHUNK // 16)), end=CHUNK) is False
+        for li, layer in enumerate(kv.layers):
             assert np.array_equal(layer, before[li])
     finally:
-        s.close()
+        release(reg)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_freed_locks_and_ended_sessions_leave_no_locks(client: Client, mode: str,
                                                        no_segment_leak: None) -> None:
     """A lookup whose locks are freed (and its session ended) does not block another
-    request's LOOKUP + RETRIEVE of the same chunks, and CLEAR can drop them."""
+    request's LOOKUP + RETRIEVE of the same chunks, and CLEAR can drop them: with the
+    low-level calls, by hand."""
     g = Geometry(1, 2, 16, 32, "float16")
-    s = Session(client, g, mode, 2 * CHUNK)
+    reg = registered(client, g, mode, 2 * CHUNK)
+    kv = reg.cache
+    assert isinstance(kv, CpuKVCache)
     try:
-        fill_random(s.kv, seed=11)
+        fill_random(kv, seed=11)
         n = 2 * CHUNK // g.block_size
         tokens = np.random.default_rng(5).integers(0, 2**32, 2 * CHUNK).tolist()
-        assert s.store(s.key(tokens), list(range(n)), instance_id=s.instance_id)
-        first = s.key(tokens)
+        assert reg.store(key_for(reg, tokens), list(range(n)))
+        first = key_for(reg, tokens)
         assert client.wait_for_lookup(first, timeout=5) == 2
         client.free_lookup_locks(first)
         client.end_session(first.request_id)
-        second = s.key(tokens)
-        assert client.lookup(second) == 2
-        assert s.retrieve(second, list(range(n, 2 * n)), instance_id=s.instance_id)
-        assert s.kv.layers[0][:, n:2 * n].tobytes() == s.kv.layers[0][:, :n].tobytes()
+        second = key_for(reg, tokens)
+        assert reg.lookup(second) == 2 * CHUNK
+        assert reg.retrieve(second, list(range(n, 2 * n)))
+        assert kv.layers[0][:, n:2 * n].tobytes() == kv.layers[0][:, :n].tobytes()
+        client.end_session(second.request_id)
     finally:
-        s.close()
+        release(reg)
 
 
 def test_both_modes_share_objects_for_one_model(client: Client, no_segment_leak: None) -> None:
     """Stored by the server's own copy, read back by our engine-driven copy (and the
     reverse): our chunk layout is the server's."""
     g = Geometry(3, 2, 64, 32, "float32")
-    a = Session(client, g, "lmcache_driven", CHUNK)
-    b = Session(client, g, "engine_driven", CHUNK)
-    b.model = a.model
-    client.unregister_kv_cache_engine_driven(b.instance_id, unlink=False)
-    client.register_kv_cache_engine_driven(b.kv, instance_id=b.instance_id, model_name=a.model)
+    a = registered(client, g, "lmcache", CHUNK)
+    b = registered(client, g, "engine", CHUNK, model=a.model_name)
     try:
-        fill_random(a.kv, 21)
-        fill_random(b.kv, 22)
+        for i, reg in enumerate((a, b)):
+            fill_random(reg.cache, 21 + i)  # type: ignore[arg-type]
         n = CHUNK // g.block_size
         for src, dst in ((a, b), (b, a)):
             tokens = np.random.default_rng(id(src) & 0xFFFF).integers(0, 2**32, CHUNK).tolist()
-            assert src.store(src.key(tokens), list(range(n)), instance_id=src.instance_id)
-            lookup = dst.key(tokens)
-            assert client.wait_for_lookup(lookup, timeout=5) == 1
-            assert dst.retrieve(lookup, list(range(n, 2 * n)), instance_id=dst.instance_id)
+            with src.request(tokens) as writer:
+                assert writer.store(list(range(n)))
+            with lookup_all(dst, tokens) as reader:
+                assert reader.retrieve(list(range(n, 2 * n)))
             for li in range(g.num_layers):
-                assert dst.kv.layers[li][:, n:2 * n].tobytes() == src.kv.layers[li][:, :n].tobytes()
+                got = dst.cache.layers[li][:, n:2 * n]  # type: ignore[attr-defined]
+                assert got.tobytes() == src.cache.layers[li][:, :n].tobytes()  # type: ignore[attr-defined]
     finally:
-        a.close()
-        b.close()
+        release(a)
+        release(b)
 
 
-def test_transfers_are_validated_before_sending(client: Client, no_segment_leak: None) -> None:
+def test_low_level_calls_are_validated_before_sending(client: Client,
+                                                      no_segment_leak: None) -> None:
     g = Geometry(1, 1, 16, 16, "float16")
-    s = Session(client, g, "lmcache_driven", CHUNK)
+    reg = registered(client, g, "lmcache", CHUNK)
+    iid = reg.instance_id
     try:
         tokens = list(range(2 * CHUNK))
         with pytest.raises(InvalidArgument, match="multiples"):
-            s.store(s.key(tokens, 0, 300), list(range(19)), instance_id=s.instance_id)
+            client.store(key_for(reg, tokens, 0, 300), list(range(19)), instance_id=iid)
         with pytest.raises(InvalidArgument, match="exactly 16"):
-            s.store(s.key(tokens, 0, CHUNK), list(range(15)), instance_id=s.instance_id)
+            client.store(key_for(reg, tokens, 0, CHUNK), list(range(15)), instance_id=iid)
         with pytest.raises(InvalidArgument, match="outside"):
-            s.store(s.key(tokens, 0, CHUNK), list(range(40, 56)), instance_id=s.instance_id)
+            client.store(key_for(reg, tokens, 0, CHUNK), list(range(40, 56)), instance_id=iid)
         with pytest.raises(InvalidArgument, match="not registered"):
-            s.store(s.key(tokens, 0, CHUNK), list(range(16)), instance_id=s.instance_id + 1)
+            client.store(key_for(reg, tokens, 0, CHUNK), list(range(16)), instance_id=iid + 1)
         with pytest.raises(InvalidArgument, match="registered for LMCache-driven"):
-            client.store_engine_driven(s.key(tokens, 0, CHUNK), list(range(16)),
-                                       instance_id=s.instance_id)
+            client.store_engine_driven(key_for(reg, tokens, 0, CHUNK), list(range(16)),
+                                       instance_id=iid)
         with pytest.raises(InvalidArgument, match="already registered"):
-            client.register_kv_cache(s.kv, instance_id=s.instance_id, model_name=s.model)
+            client.register_kv_cache(reg.cache, instance_id=iid, model_name=reg.model_name)
         with pytest.raises(InvalidArgument, match="skip_first_n_tokens"):
-            s.retrieve(s.key(tokens, 0, CHUNK), list(range(16)), instance_id=s.instance_id,
-                       skip_first_n_tokens=CHUNK + 1)
+            client.retrieve(key_for(reg, tokens, 0, CHUNK), list(range(16)), instance_id=iid,
+                            skip_first_n_tokens=CHUNK + 1)
+        with pytest.raises(InvalidArgument, match="registered"):
+            reg.store(key_for(reg, tokens).replace(model_name="other"), list(range(32)))
         assert client.noop() == "OK"  # nothing reached the server
     finally:
-        s.close()
+        release(reg)
     with pytest.raises(InvalidArgument, match="closed or unregistered"):
-        client.register_kv_cache(s.kv, instance_id=1, model_name="m")
+        client.register_kv_cache(reg.cache, instance_id=1, model_name="m")
+
+
+def test_low_level_register_store_retrieve_by_instance_id(client: Client,
+                                                          no_segment_leak: None) -> None:
+    """The instance-id API of earlier releases, kept as the low-level layer."""
+    kv = CpuKVCache.allocate(num_layers=2, num_blocks=40, block_size=16, num_heads=1,
+                             head_dim=16, dtype="float16")
+    fill_random(kv, 3)
+    try:
+        client.register_kv_cache_engine_driven(kv, instance_id=777001, model_name="ll")
+        tokens = list(range(7, 7 + CHUNK))
+        key = CacheKey(model_name="ll", world_size=1, worker_id=0, token_ids=tokens, start=0,
+                       end=CHUNK, request_id="ll-store")
+        assert client.store_engine_driven(key, list(range(1, 17)), instance_id=777001)
+        lookup = key.replace(request_id="ll-read")
+        assert client.wait_for_lookup(lookup, timeout=5) == 1
+        assert client.retrieve_engine_driven(lookup, list(range(20, 36)), instance_id=777001)
+        assert kv.layers[1][:, 20:36].tobytes() == kv.layers[1][:, 1:17].tobytes()
+        for rid in ("ll-store", "ll-read"):
+            client.end_session(rid)
+        assert client.registration(777001).mode == "engine"
+        client.unregister_kv_cache_engine_driven(777001)
+    finally:
+        kv.close()
 
 
 def test_unregister_unlinks_segments(client: Client) -> None:
