@@ -10,27 +10,27 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
-from .blocks import BlockIds, TransferLayout
+from .blocks import TransferLayout
 from .checks import one_of, optional_positive_seconds, positive_seconds
 from .connection import DEFAULT_TIMEOUT, Connection
+from .control import ControlPlane
 from .errors import InvalidArgument
-from .futures import ReplyFuture, blocking
 from .ipc.base import ExportableKVCache
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 from .liveness import Registry
+from .lowlevel import InstanceIdAPI
 from .protocol import Profile
 from .protocol.detect import Detection
-from .protocol.types import BlockAllocationRecord, EngineGroupInfo, RegisterEngineDrivenContextResponse
+from .protocol.types import EngineGroupInfo
 from .registration import Mode, Registration
 
 __all__ = ["Client", "DEFAULT_TIMEOUT"]
 
 
-class Client:
+class Client(ControlPlane, InstanceIdAPI):
     """A client of one LMCache MP server.
 
     Every call has a deadline (``timeout`` seconds, overridable per call) and raises
@@ -133,144 +133,6 @@ class Client:
         proto = conn.profile.name if conn.fixed_protocol or conn.detection else "auto"
         return f"<lmcache_mp.Client {self.url} protocol={proto} {state}>"
 
-    # ------------------------------------------------------------ control plane
-    def noop(self, *, timeout: float | None = None) -> str:
-        """NOOP, answered on the server's message thread ("OK")."""
-        # Written out (not via noop_async) to keep the latency floor: no future.
-        return str(self._conn.call("NOOP", (), timeout))
-
-    def noop_async(self, *, timeout: float | None = None) -> ReplyFuture[str]:
-        return self._conn.request("NOOP", (), timeout, str)
-
-    def ping_async(self, instance_id: int | None = None, *,
-                   timeout: float | None = None) -> ReplyFuture[bool]:
-        """PING; with ``instance_id`` it also marks that worker alive (ping-proven)."""
-        return self._conn.request("PING", (instance_id,), timeout, bool)
-
-    ping = blocking(ping_async)
-
-    def chunk_size(self, *, timeout: float | None = None) -> int:
-        """The server's chunk size in tokens (asked once per connection)."""
-        return self._conn.chunk_size(timeout)
-
-    def clear_async(self, *, force: bool = True, timeout: float | None = None) -> ReplyFuture[None]:
-        """CLEAR: drop cached objects on the server. Servers up to 0.5.5 always force
-        (``force`` is not sent); 0.5.6 takes it as its payload."""
-        return self._conn.request("CLEAR", self._conn.profile.clear_payloads(force), timeout)
-
-    clear = blocking(clear_async)
-
-    def get_experimental_async(self, *, timeout: float | None = None) -> ReplyFuture[list[str]]:
-        """The experimental transfer features the server was started with."""
-        return self._conn.request("GET_EXPERIMENTAL", (), timeout, list)
-
-    get_experimental = blocking(get_experimental_async)
-
-    # ------------------------------------------------------------------ lookup
-    def submit_lookup_async(self, key: CacheKey, tp_size: int = 1, *,
-                            timeout: float | None = None) -> ReplyFuture[None]:
-        """Send LOOKUP for the whole of ``key.token_ids`` (all ranks) and wait for its
-        acknowledgement. The server read-locks every prefix chunk it finds and records a
-        job under ``key.request_id``; collect the count with :meth:`query_prefetch_status`
-        or :meth:`wait_prefetch_status`. Locks stay until a RETRIEVE or
-        :meth:`free_lookup_locks` releases them (or a 300 s TTL). ``tp_size`` adds
-        readers for MLA; send the same value to free_lookup_locks."""
-        return self._conn.request("LOOKUP", self._all_ranks(key, tp_size), timeout)
-
-    submit_lookup = blocking(submit_lookup_async)
-
-    def query_prefetch_status_async(self, request_id: str, *,
-                                    timeout: float | None = None) -> ReplyFuture[int | None]:
-        """Hit chunks of the lookup job, None while it runs; consumes the job (then 0)."""
-        return self._conn.request("QUERY_PREFETCH_STATUS", (request_id,), timeout)
-
-    query_prefetch_status = blocking(query_prefetch_status_async)
-
-    def wait_prefetch_status_async(self, request_id: str, timeout: float, *,
-                                   rpc_timeout: float | None = None) -> ReplyFuture[int | None]:
-        """Wait up to ``timeout`` s on the server for the lookup job; None if unfinished.
-        The call's own deadline is ``timeout`` plus ``rpc_timeout`` (default: the client's
-        timeout), so a dead server still surfaces as an error."""
-        wait_s = positive_seconds("timeout", timeout)
-        deadline = wait_s + self._conn.seconds(rpc_timeout)
-        return self._conn.request("WAIT_PREFETCH_STATUS", (request_id, wait_s), deadline)
-
-    wait_prefetch_status = blocking(wait_prefetch_status_async)
-
-    def query_prefetch_lookup_hits_async(self, request_id: str, *,
-                                         timeout: float | None = None) -> ReplyFuture[int | None]:
-        """Hit chunks found so far, without consuming the job (0.5.3-0.5.5 only)."""
-        return self._conn.request("QUERY_PREFETCH_LOOKUP_HITS", (request_id,), timeout)
-
-    query_prefetch_lookup_hits = blocking(query_prefetch_lookup_hits_async)
-
-    def lookup_async(self, key: CacheKey, tp_size: int = 1, *,
-                     timeout: float | None = None) -> ReplyFuture[int]:
-        """LOOKUP then wait for the result: the number of leading chunks cached for
-        every rank (tokens = chunks x :meth:`chunk_size`). The hit chunks stay
-        read-locked for a RETRIEVE; release the ones you will not retrieve with
-        :meth:`free_lookup_locks`."""
-        return self._conn.lookup_async(key, tp_size, timeout)
-
-    lookup = blocking(lookup_async)
-
-    def free_lookup_locks_async(self, key: CacheKey, tp_size: int = 1, *,
-                                timeout: float | None = None) -> ReplyFuture[None]:
-        """Release the read locks a LOOKUP took on chunks in ``[key.start, key.end)``
-        that will not be retrieved (all ranks). Use the LOOKUP's ``tp_size``."""
-        return self._conn.request("FREE_LOOKUP_LOCKS", self._all_ranks(key, tp_size), timeout)
-
-    free_lookup_locks = blocking(free_lookup_locks_async)
-
-    def end_session_async(self, request_id: str, *,
-                          timeout: float | None = None) -> ReplyFuture[None]:
-        """Drop the server's session (cached chunk hashes) for ``request_id``. End every
-        request id before reusing it for other tokens, and before the last unregister of
-        its model (the server does not answer it after that)."""
-        return self._conn.request("END_SESSION", (request_id,), timeout)
-
-    end_session = blocking(end_session_async)
-
-    def report_block_allocation_async(
-        self, instance_id: int, model_name: str,
-        records: Iterable[BlockAllocationRecord | Mapping[str, Any]], *,
-        timeout: float | None = None,
-    ) -> ReplyFuture[None]:
-        """Report per-request block allocation deltas (vLLM's observability feed)."""
-        recs = [r if isinstance(r, BlockAllocationRecord) else BlockAllocationRecord(**r)
-                for r in records]
-        return self._conn.request("REPORT_BLOCK_ALLOCATION", (instance_id, model_name, recs),
-                                  timeout)
-
-    report_block_allocation = blocking(report_block_allocation_async)
-
-    def wait_for_lookup(self, key: CacheKey, min_chunks: int | None = None, *,
-                        timeout: float | None = None, poll_interval: float = 0.02,
-                        tp_size: int = 1) -> int:
-        """LOOKUP until at least ``min_chunks`` (default: all complete chunks of the
-        key's tokens) are cached, or ``timeout`` passes; returns the last hit count.
-
-        A STORE's reply comes before its chunks are visible (the server commits them
-        asynchronously), so "store, then look up at once" can miss. Partial hits of
-        the retries are released; the final lookup's locks are held for a RETRIEVE.
-        """
-        chunk = self.chunk_size()
-        want = len(key.token_ids) // chunk if min_chunks is None else min_chunks
-        deadline = time.monotonic() + self._conn.seconds(timeout)
-        while True:
-            remaining = deadline - time.monotonic()
-            hits = self.lookup(key, tp_size, timeout=max(remaining, 0.05))
-            if hits >= want or time.monotonic() + poll_interval >= deadline:
-                return hits
-            if hits:
-                self.free_lookup_locks(key.with_range(0, hits * chunk), tp_size)
-            time.sleep(poll_interval)
-
-    def _all_ranks(self, key: CacheKey, tp_size: int) -> tuple[Any, int]:
-        if not isinstance(key, CacheKey):
-            raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
-        return self._conn.profile.all_ranks_payloads(key, tp_size)
-
     # ------------------------------------------------------------- registering
     def register(
         self,
@@ -344,98 +206,3 @@ class Client:
                 f"instance {instance_id} is not registered by this client; register its KV "
                 f"cache first (the server silently drops transfers for unknown instances)")
         return reg
-
-    # --------------------------------------------- low-level API (instance ids)
-    def register_kv_cache(self, kv_cache: ExportableKVCache, *, instance_id: int,
-                          model_name: str, world_size: int = 1, worker_id: int = 0,
-                          engine_group_infos: Sequence[EngineGroupInfo] | None = None,
-                          timeout: float | None = None) -> None:
-        """REGISTER_KV_CACHE (LMCache-driven mode): ``register(mode="lmcache")``."""
-        self.register(kv_cache, model_name=model_name, mode="lmcache", world_size=world_size,
-                      worker_id=worker_id, instance_id=instance_id,
-                      engine_group_infos=engine_group_infos, timeout=timeout)
-
-    def register_kv_cache_engine_driven(
-        self, kv_cache: CpuKVCache, *, instance_id: int, model_name: str, world_size: int = 1,
-        worker_id: int = 0, timeout: float | None = None,
-    ) -> RegisterEngineDrivenContextResponse:
-        """REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT: ``register(mode="engine")``; returns
-        where the server's pool is (a server without one is refused)."""
-        reg = self.register(kv_cache, model_name=model_name, mode="engine",
-                            world_size=world_size, worker_id=worker_id, instance_id=instance_id,
-                            timeout=timeout)
-        assert reg.pool_info is not None
-        return reg.pool_info
-
-    def unregister_kv_cache(self, instance_id: int, *, timeout: float | None = None,
-                            unlink: bool = True) -> None:
-        """UNREGISTER_KV_CACHE, then unlink the cache's SHM names. End the sessions of
-        this model first: the server does not answer END_SESSION after the last
-        unregister. An instance this client did not register is unregistered as asked."""
-        self._unregister(instance_id, "lmcache", "UNREGISTER_KV_CACHE", timeout, unlink)
-
-    def unregister_kv_cache_engine_driven(self, instance_id: int, *,
-                                          timeout: float | None = None,
-                                          unlink: bool = True) -> None:
-        """UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT (also drops the instance's pending
-        reservations on the server), then unlink the cache's SHM names."""
-        self._unregister(instance_id, "engine", "UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
-                         timeout, unlink)
-
-    def _unregister(self, instance_id: int, mode: Mode, op: str, timeout: float | None,
-                    unlink: bool) -> None:
-        reg = self._registry.get(instance_id)
-        if reg is None:
-            self._conn.call(op, (instance_id,), timeout)
-            return
-        self._in_mode(reg, mode, op).unregister(timeout=timeout, unlink=unlink)
-
-    def _in_mode(self, reg: Registration, mode: Mode, op: str) -> Registration:
-        if reg.mode != mode:
-            raise InvalidArgument(
-                f"{op}: instance {reg.instance_id} is registered for "
-                f"{'engine-driven' if reg.mode == 'engine' else 'LMCache-driven'} transfers")
-        return reg
-
-    def _for(self, instance_id: int, mode: Mode, op: str) -> Registration:
-        return self._in_mode(self.registration(instance_id), mode, op)
-
-    def store_async(self, key: CacheKey, block_ids: BlockIds, *, instance_id: int,
-                    timeout: float | None = None, stream: Any = None) -> ReplyFuture[bool]:
-        """STORE through the registration of ``instance_id`` (LMCache-driven); see
-        :meth:`Registration.store_async`."""
-        return self._for(instance_id, "lmcache", "STORE").store_async(
-            key, block_ids, timeout=timeout, stream=stream)
-
-    store = blocking(store_async)
-
-    def retrieve_async(self, key: CacheKey, block_ids: BlockIds, *, instance_id: int,
-                       skip_first_n_tokens: int = 0, timeout: float | None = None,
-                       stream: Any = None) -> ReplyFuture[bool]:
-        """RETRIEVE through the registration of ``instance_id`` (LMCache-driven); see
-        :meth:`Registration.retrieve_async`."""
-        return self._for(instance_id, "lmcache", "RETRIEVE").retrieve_async(
-            key, block_ids, skip_first_n_tokens=skip_first_n_tokens, timeout=timeout,
-            stream=stream)
-
-    retrieve = blocking(retrieve_async)
-
-    def store_engine_driven_async(self, key: CacheKey, block_ids: BlockIds, *,
-                                  instance_id: int,
-                                  timeout: float | None = None) -> ReplyFuture[bool]:
-        """PREPARE_STORE, copy into the reserved pool slots, COMMIT_STORE (chunks cached
-        already are skipped); the future is the commit's."""
-        return self._for(instance_id, "engine", "PREPARE_STORE").store_async(
-            key, block_ids, timeout=timeout)
-
-    store_engine_driven = blocking(store_engine_driven_async)
-
-    def retrieve_engine_driven_async(self, key: CacheKey, block_ids: BlockIds, *,
-                                     instance_id: int, skip_first_n_tokens: int = 0,
-                                     timeout: float | None = None) -> ReplyFuture[bool]:
-        """PREPARE_RETRIEVE, copy from the pool slots, COMMIT_RETRIEVE (which releases
-        the LOOKUP's read locks). Needs a LOOKUP hit first; False on a miss."""
-        return self._for(instance_id, "engine", "PREPARE_RETRIEVE").retrieve_async(
-            key, block_ids, skip_first_n_tokens=skip_first_n_tokens, timeout=timeout)
-
-    retrieve_engine_driven = blocking(retrieve_engine_driven_async)

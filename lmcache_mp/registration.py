@@ -22,37 +22,30 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-import numpy as np
-
+from . import transfers
 from .blocks import BlockIds, TransferLayout, normalize_block_ids
 from .checks import is_int
 from .connection import Connection
-from .engine_driven import NO_POOL_HELP, Pool, PoolMaps, copy_from_slots, copy_into_slots
+from .engine_driven import NO_POOL_HELP, Pool, PoolMaps
 from .errors import (
-    ConnectionChanged,
     InvalidArgument,
     LMCacheMPError,
     ProtocolMismatch,
-    RequestTimeout,
 )
 from .futures import ReplyFuture, blocking
 from .ipc.base import ExportableKVCache
-from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 from .protocol import decode_reply
-from .protocol.operations import Operation
 from .protocol.types import (
     EngineGroupInfo,
-    PrepareRetrieveResponse,
-    PrepareStoreResponse,
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
 )
-from .transport import PendingRequest
+from .transfers import remaining
 
 if TYPE_CHECKING:
     from .request import Request
@@ -175,11 +168,11 @@ class Registration:
             payloads = conn.profile.register_payloads(
                 self.instance_id, cache.export_layers(), self.model_name, self.world_size,
                 cache.kv_layout, self.groups)
-            op, p = conn.submit("REGISTER_KV_CACHE", payloads, _remaining(deadline, "REGISTER"))
+            op, p = conn.submit("REGISTER_KV_CACHE", payloads, remaining(deadline, "REGISTER"))
             decode_reply(op, conn.transport.wait(p))
             return Binding(p.sent_epoch)
         op, p = conn.submit("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
-                            (self._engine_payload(),), _remaining(deadline, "REGISTER"))
+                            (self._engine_payload(),), remaining(deadline, "REGISTER"))
         info: RegisterEngineDrivenContextResponse = decode_reply(op, conn.transport.wait(p))
         return self._bind_pool(info, p.sent_epoch, deadline)
 
@@ -200,11 +193,11 @@ class Registration:
         conn = self._conn
         transport = conn.transport
         op, p = conn.submit("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (self._engine_payload(),),
-                            _remaining(deadline, "REGISTER"))
+                            remaining(deadline, "REGISTER"))
         # Both run on the server's message thread in arrival order, so once the NOOP
         # is answered a missing REGISTER reply means "no handler" (a server started
         # with --supported-transfer-mode lmcache_driven), not "slow".
-        _, fence = conn.submit("NOOP", (), _remaining(deadline, "REGISTER"))
+        _, fence = conn.submit("NOOP", (), remaining(deadline, "REGISTER"))
         try:
             transport.wait(fence)
         except LMCacheMPError:
@@ -216,7 +209,7 @@ class Registration:
         info: RegisterEngineDrivenContextResponse = decode_reply(op, transport.wait(p))
         if not info.shm_name or info.pool_size <= 0:
             conn.call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (self.instance_id,),
-                      _remaining(deadline, "UNREGISTER"))
+                      remaining(deadline, "UNREGISTER"))
             return None
         return Binding(p.sent_epoch, self._owner.pools.acquire(info.shm_name, info.pool_size,
                                                                p.sent_epoch), info)
@@ -232,7 +225,7 @@ class Registration:
                    deadline: float) -> Binding:
         if not info.shm_name or info.pool_size <= 0:
             self._conn.call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (self.instance_id,),
-                            _remaining(deadline, "UNREGISTER"))
+                            remaining(deadline, "UNREGISTER"))
             raise ProtocolMismatch(NO_POOL_HELP)
         pool = self._owner.pools.acquire(info.shm_name, info.pool_size, epoch)
         return Binding(epoch, pool, info)
@@ -267,7 +260,7 @@ class Registration:
             if b is not seen:
                 return b  # another thread re-registered meanwhile
             restarted = b.epoch != self._conn.transport.epoch or self._suspect
-            chunk = self._conn.chunk_size(_remaining(deadline, "GET_CHUNK_SIZE"))
+            chunk = self._conn.chunk_size(remaining(deadline, "GET_CHUNK_SIZE"))
             if chunk != self.chunk_size:
                 raise ProtocolMismatch(
                     f"the server now uses chunk size {chunk}, but instance {self.instance_id} "
@@ -348,8 +341,8 @@ class Registration:
         deadline = time.monotonic() + self._conn.seconds(timeout)
         groups = self._checked(key, block_ids, "STORE")
         if self.mode == "engine":
-            return self._engine_store(key, groups, deadline)
-        return self._server_copy("STORE", key, groups, (), deadline, stream)
+            return transfers.engine_store(self, key, groups, deadline)
+        return transfers.server_copy(self, "STORE", key, groups, (), deadline, stream)
 
     store = blocking(store_async)
 
@@ -368,9 +361,9 @@ class Registration:
             raise InvalidArgument(f"skip_first_n_tokens must be an int in "
                                   f"[0, {key.end - key.start}], got {skip_first_n_tokens!r}")
         if self.mode == "engine":
-            return self._engine_retrieve(key, groups, skip_first_n_tokens, deadline)
-        return self._server_copy("RETRIEVE", key, groups, (skip_first_n_tokens,), deadline,
-                                 stream)
+            return transfers.engine_retrieve(self, key, groups, skip_first_n_tokens, deadline)
+        return transfers.server_copy(self, "RETRIEVE", key, groups, (skip_first_n_tokens,),
+                                     deadline, stream)
 
     retrieve = blocking(retrieve_async)
 
@@ -384,96 +377,6 @@ class Registration:
     def _worker(self, key: CacheKey) -> int:
         """The KV rank of a transfer: the key's, else the registration's."""
         return self.worker_id if key.worker_id is None else key.worker_id
-
-    # --------------------------------------------- LMCache-driven transfers
-    def _server_copy(self, op_name: str, key: CacheKey, groups: list[list[int]],
-                     extra: tuple[Any, ...], deadline: float, stream: Any) -> ReplyFuture[bool]:
-        conn, cache = self._conn, self.cache
-        worker = self._worker(key)
-        # The event orders the server's copy after the caller's stream (CUDA); the
-        # token (the event) must live until the reply. A CPU server ignores it.
-        event, token = cache.begin_transfer(stream)
-        sent: list[tuple[Operation, float]] = []
-
-        def submit() -> PendingRequest:
-            b = self._bound(deadline)
-            wire = conn.profile.transfer_key(key, worker)
-            sent_at = time.monotonic()
-            op, p = conn.submit(op_name, (wire, self.instance_id, groups, event, *extra),
-                                _remaining(deadline, op_name), epoch=b.epoch)
-            sent.append((op, sent_at))
-            return p
-
-        def finish(frames: list[bytes]) -> bool:
-            op, sent_at = sent[-1]
-            server_event, ok = decode_reply(op, frames)
-            self._touch(sent_at)
-            cache.end_transfer(server_event, stream, token)
-            return bool(ok)
-
-        return ReplyFuture(conn.transport, submit(), finish, resubmit=submit)
-
-    # ---------------------------------------------- engine-driven transfers
-    def _prepare(self, op_name: str, key: CacheKey, deadline: float) -> tuple[Binding, Any, Any]:
-        """PREPARE_* bound to the current connection, re-registering when it changed."""
-        conn = self._conn
-        wire = None
-        while True:
-            b = self._bound(deadline)
-            wire = conn.profile.transfer_key(key, self._worker(key))
-            sent_at = time.monotonic()
-            op, p = conn.submit(op_name, (wire, self.instance_id),
-                                _remaining(deadline, op_name), epoch=b.epoch)
-            try:
-                prepared = decode_reply(op, conn.transport.wait(p))
-            except ConnectionChanged:
-                continue
-            self._touch(sent_at)
-            return b, wire, prepared
-
-    def _engine_store(self, key: CacheKey, groups: list[list[int]],
-                      deadline: float) -> ReplyFuture[bool]:
-        cache = self.cache
-        assert isinstance(cache, CpuKVCache)  # enforced at registration
-        b, wire, prepared = self._prepare("PREPARE_STORE", key, deadline)
-        assert isinstance(prepared, PrepareStoreResponse) and b.pool is not None
-        ctx = prepared.context
-        if not ctx.slots:
-            return ReplyFuture.completed(True)  # every chunk is cached already
-        copy_into_slots(cache, np.asarray(groups[0], dtype=np.int64), ctx.slots,
-                        ctx.chunk_indices, b.pool, self.chunk_size)
-        return self._commit("COMMIT_STORE", (wire, self.instance_id, b""), b, deadline, bool)
-
-    def _engine_retrieve(self, key: CacheKey, groups: list[list[int]], skip: int,
-                         deadline: float) -> ReplyFuture[bool]:
-        cache = self.cache
-        assert isinstance(cache, CpuKVCache)
-        b, wire, prepared = self._prepare("PREPARE_RETRIEVE", key, deadline)
-        assert isinstance(prepared, PrepareRetrieveResponse) and b.pool is not None
-        if not prepared.success:
-            return ReplyFuture.completed(False)
-        try:
-            copy_from_slots(cache, np.asarray(groups[0], dtype=np.int64),
-                            prepared.context.slots, b.pool, self.chunk_size, skip)
-        except BaseException:
-            # Release the read locks even when the copy failed.
-            self._commit("COMMIT_RETRIEVE", (wire, self.instance_id), b, deadline,
-                         _true).exception()
-            raise
-        return self._commit("COMMIT_RETRIEVE", (wire, self.instance_id), b, deadline, _true)
-
-    def _commit(self, op_name: str, payloads: tuple[Any, ...], b: Binding, deadline: float,
-                convert: Callable[[Any], bool]) -> ReplyFuture[bool]:
-        conn = self._conn
-        sent_at = time.monotonic()
-        op, p = conn.submit(op_name, payloads, _remaining(deadline, op_name), epoch=b.epoch)
-
-        def finish(frames: list[bytes]) -> bool:
-            value = convert(decode_reply(op, frames))
-            self._touch(sent_at)
-            return value
-
-        return ReplyFuture(conn.transport, p, finish)
 
     # ----------------------------------------------------------- unregister
     def unregister(self, *, timeout: float | None = None, unlink: bool = True) -> None:
@@ -494,16 +397,3 @@ class Registration:
         finally:
             if unlink:
                 self.cache.unlink()
-
-
-def _true(_: Any) -> bool:
-    return True
-
-
-def _remaining(deadline: float, what: str) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise RequestTimeout(
-            f"{what}: the call's deadline passed before it could be sent (the client was "
-            f"re-registering with a server that restarted or had dropped this registration)")
-    return left

@@ -1,0 +1,149 @@
+"""The two ways a registration moves blocks, each bound to the connection its
+registration was checked on (see :mod:`lmcache_mp.registration`).
+
+* LMCache-driven (``mode="lmcache"``): one STORE / RETRIEVE; the server copies between
+  the mapped cache and its L1. Sent bound to a connection: if the socket reconnected
+  before it went out, it is re-sent after the registration is renewed (the future's
+  ``resubmit``), within the call's deadline.
+* Engine-driven (``mode="engine"``): PREPARE_* (the server reserves or finds pool
+  slots), this client's copy, COMMIT_*. A PREPARE that finds a new connection is
+  prepared again after re-registering; the COMMIT must go to the server that prepared.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .engine_driven import copy_from_slots, copy_into_slots
+from .errors import ConnectionChanged, RequestTimeout
+from .futures import ReplyFuture
+from .ipc.cpu_cache import CpuKVCache
+from .keys import CacheKey
+from .protocol import decode_reply
+from .protocol.operations import Operation
+from .protocol.types import PrepareRetrieveResponse, PrepareStoreResponse
+from .transport import PendingRequest
+
+if TYPE_CHECKING:
+    from .registration import Binding, Registration
+
+__all__ = ["server_copy", "engine_store", "engine_retrieve", "remaining"]
+
+
+# ------------------------------------------------- LMCache-driven transfers
+def server_copy(reg: Registration, op_name: str, key: CacheKey, groups: list[list[int]],
+                extra: tuple[Any, ...], deadline: float, stream: Any) -> ReplyFuture[bool]:
+    """STORE / RETRIEVE: the server copies between the registered cache and its L1."""
+    conn, cache = reg._conn, reg.cache
+    worker = reg._worker(key)
+    # The event orders the server's copy after the caller's stream (CUDA); the
+    # token (the event) must live until the reply. A CPU server ignores it.
+    event, token = cache.begin_transfer(stream)
+    sent: list[tuple[Operation, float]] = []
+
+    def submit() -> PendingRequest:
+        b = reg._bound(deadline)
+        wire = conn.profile.transfer_key(key, worker)
+        sent_at = time.monotonic()
+        op, p = conn.submit(op_name, (wire, reg.instance_id, groups, event, *extra),
+                            remaining(deadline, op_name), epoch=b.epoch)
+        sent.append((op, sent_at))
+        return p
+
+    def finish(frames: list[bytes]) -> bool:
+        op, sent_at = sent[-1]
+        server_event, ok = decode_reply(op, frames)
+        reg._touch(sent_at)
+        cache.end_transfer(server_event, stream, token)
+        return bool(ok)
+
+    return ReplyFuture(conn.transport, submit(), finish, resubmit=submit)
+
+
+# ---------------------------------------------- engine-driven transfers
+def _prepare(reg: Registration, op_name: str, key: CacheKey,
+             deadline: float) -> tuple[Binding, Any, Any]:
+    """PREPARE_* bound to the current connection, re-registering when it changed."""
+    conn = reg._conn
+    wire = None
+    while True:
+        b = reg._bound(deadline)
+        wire = conn.profile.transfer_key(key, reg._worker(key))
+        sent_at = time.monotonic()
+        op, p = conn.submit(op_name, (wire, reg.instance_id),
+                            remaining(deadline, op_name), epoch=b.epoch)
+        try:
+            prepared = decode_reply(op, conn.transport.wait(p))
+        except ConnectionChanged:
+            continue
+        reg._touch(sent_at)
+        return b, wire, prepared
+
+
+def engine_store(reg: Registration, key: CacheKey, groups: list[list[int]],
+                 deadline: float) -> ReplyFuture[bool]:
+    """PREPARE_STORE, copy the blocks into the reserved slots, COMMIT_STORE (chunks
+    already cached get no slot: nothing to do for them)."""
+    cache = reg.cache
+    assert isinstance(cache, CpuKVCache)  # enforced at registration
+    b, wire, prepared = _prepare(reg, "PREPARE_STORE", key, deadline)
+    assert isinstance(prepared, PrepareStoreResponse) and b.pool is not None
+    ctx = prepared.context
+    if not ctx.slots:
+        return ReplyFuture.completed(True)  # every chunk is cached already
+    copy_into_slots(cache, np.asarray(groups[0], dtype=np.int64), ctx.slots,
+                    ctx.chunk_indices, b.pool, reg.chunk_size)
+    return _commit(reg, "COMMIT_STORE", (wire, reg.instance_id, b""), b, deadline, bool)
+
+
+def engine_retrieve(reg: Registration, key: CacheKey, groups: list[list[int]], skip: int,
+                    deadline: float) -> ReplyFuture[bool]:
+    """PREPARE_RETRIEVE, copy the slots into the blocks, COMMIT_RETRIEVE (which releases
+    the LOOKUP's read locks, also when the copy failed)."""
+    cache = reg.cache
+    assert isinstance(cache, CpuKVCache)
+    b, wire, prepared = _prepare(reg, "PREPARE_RETRIEVE", key, deadline)
+    assert isinstance(prepared, PrepareRetrieveResponse) and b.pool is not None
+    if not prepared.success:
+        return ReplyFuture.completed(False)
+    try:
+        copy_from_slots(cache, np.asarray(groups[0], dtype=np.int64),
+                        prepared.context.slots, b.pool, reg.chunk_size, skip)
+    except BaseException:
+        # Release the read locks even when the copy failed.
+        _commit(reg, "COMMIT_RETRIEVE", (wire, reg.instance_id), b, deadline,
+                     _true).exception()
+        raise
+    return _commit(reg, "COMMIT_RETRIEVE", (wire, reg.instance_id), b, deadline, _true)
+
+
+def _commit(reg: Registration, op_name: str, payloads: tuple[Any, ...], b: Binding,
+            deadline: float, convert: Callable[[Any], bool]) -> ReplyFuture[bool]:
+    conn = reg._conn
+    sent_at = time.monotonic()
+    op, p = conn.submit(op_name, payloads, remaining(deadline, op_name), epoch=b.epoch)
+
+    def finish(frames: list[bytes]) -> bool:
+        value = convert(decode_reply(op, frames))
+        reg._touch(sent_at)
+        return value
+
+    return ReplyFuture(conn.transport, p, finish)
+
+
+def _true(_: Any) -> bool:
+    return True
+
+
+def remaining(deadline: float, what: str) -> float:
+    """Seconds left before ``deadline``; RequestTimeout once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RequestTimeout(
+            f"{what}: the call's deadline passed before it could be sent (the client was "
+            f"re-registering with a server that restarted or had dropped this registration)")
+    return left
