@@ -10,6 +10,10 @@ never does):
 Without --url it starts (and stops) its own server. Rounds alternate between the
 clients so machine noise hits all of them alike; medians over rounds are reported,
 and ratios are the headline (these machines are noisy).
+
+The heartbeat's cost is measured in the same rounds: NOOP latency of a client holding
+a registration with the default 10 s heartbeat, and with a 50 ms one (200x the
+default rate, so that PINGs contend with the caller's requests in every round).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ sys.path.insert(0, str(REPO))
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
-from lmcache_mp import CacheKey, Client  # noqa: E402
+from lmcache_mp import CacheKey, Client, CpuKVCache  # noqa: E402
 
 NOOP, LOOKUP, WAIT = 24, 8, 10
 
@@ -122,6 +126,13 @@ def main() -> int:
         url = f"tcp://127.0.0.1:{port}"
     try:
         ours = Client(url, timeout=10)
+        # Clients that hold a registration, so their heartbeat thread runs.
+        kv = CpuKVCache.allocate(num_layers=1, num_blocks=16, block_size=16, num_heads=1,
+                                 head_dim=16, dtype="float16")
+        ours_hb = Client(url, timeout=10)
+        ours_fast_hb = Client(url, timeout=10, heartbeat_interval=0.05)
+        regs = [c.register(kv, model_name=f"bench-hb-{i}", mode="lmcache")
+                for i, c in enumerate((ours_hb, ours_fast_hb))]
         lm_noop, lm_noop_async, lm_lookup, lm_close = lmcache_client(url)
         bare_noop, bare_close = bare_dealer(url)
         tokens = list(range(4096))
@@ -135,17 +146,22 @@ def main() -> int:
             lm_lookup(tokens, uuid.uuid4().hex)
 
         # warm up (connections, JIT-free but caches)
-        for fn in (ours.noop, lm_noop, bare_noop, our_lookup, their_lookup):
+        for fn in (ours.noop, ours_hb.noop, ours_fast_hb.noop, lm_noop, bare_noop, our_lookup,
+                   their_lookup):
             for _ in range(50):
                 fn()
 
         results: dict[str, list[float]] = {k: [] for k in (
-            "noop_us.bare", "noop_us.ours", "noop_us.lmcache",
+            "noop_us.bare", "noop_us.ours", "noop_us.ours_registered_hb10s",
+            "noop_us.ours_registered_hb50ms", "noop_us.lmcache",
             "lookup4096_us.ours", "lookup4096_us.lmcache",
             "pipelined_rps.ours", "pipelined_rps.lmcache")}
         for _ in range(args.rounds):
             results["noop_us.bare"].append(per_call_us(bare_noop, args.calls))
             results["noop_us.ours"].append(per_call_us(ours.noop, args.calls))
+            results["noop_us.ours_registered_hb10s"].append(per_call_us(ours_hb.noop, args.calls))
+            results["noop_us.ours_registered_hb50ms"].append(
+                per_call_us(ours_fast_hb.noop, args.calls))
             results["noop_us.lmcache"].append(per_call_us(lm_noop, args.calls))
             results["lookup4096_us.ours"].append(per_call_us(our_lookup, args.calls // 4))
             results["lookup4096_us.lmcache"].append(per_call_us(their_lookup, args.calls // 4))
@@ -155,6 +171,10 @@ def main() -> int:
         ratios = {
             "noop ours/bare (latency, lower is better)": med["noop_us.ours"] / med["noop_us.bare"],
             "noop ours/lmcache (latency)": med["noop_us.ours"] / med["noop_us.lmcache"],
+            "noop with a registration, 10 s heartbeat / none (latency)":
+                med["noop_us.ours_registered_hb10s"] / med["noop_us.ours"],
+            "noop with a registration, 50 ms heartbeat / none (latency)":
+                med["noop_us.ours_registered_hb50ms"] / med["noop_us.ours"],
             "lookup4096 ours/lmcache (latency)": med["lookup4096_us.ours"] / med["lookup4096_us.lmcache"],
             "pipelined ours/lmcache (throughput, higher is better)":
                 med["pipelined_rps.ours"] / med["pipelined_rps.lmcache"],
@@ -169,6 +189,11 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"medians": med, "ratios": ratios,
                                                    "rounds": results}, indent=1))
+        for reg in regs:
+            reg.unregister(unlink=False)
+        kv.close()
+        ours_hb.close()
+        ours_fast_hb.close()
         ours.close()
         lm_close()
         bare_close()

@@ -31,6 +31,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any, TypeAlias
 
 from .errors import InvalidArgument
@@ -340,6 +341,17 @@ def _template_error(name: str, problem: str) -> RuntimeError:
     )
 
 
+def _template_text(name: str) -> str:
+    try:
+        ref = resources.files("lmcache_mp.pickle_templates") / f"{name}.json"
+    except ModuleNotFoundError:
+        # A source checkout used without installing (PYTHONPATH=., the oracle venv's
+        # benchmarks, the GPU run): the templates sit at the repository's top level.
+        path = Path(__file__).resolve().parent.parent / "pickle_templates" / f"{name}.json"
+        return path.read_text(encoding="utf-8")
+    return ref.read_text(encoding="utf-8")
+
+
 @functools.cache
 def load_template(name: str) -> Template:
     """The parsed template ``name`` (one of :data:`TEMPLATE_NAMES`)."""
@@ -347,8 +359,7 @@ def load_template(name: str) -> Template:
         raise InvalidArgument(
             f"unknown pickle template {name!r}; use one of {', '.join(TEMPLATE_NAMES)}"
         )
-    ref = resources.files("lmcache_mp.pickle_templates") / f"{name}.json"
-    raw: Any = json.loads(ref.read_text(encoding="utf-8"))
+    raw: Any = json.loads(_template_text(name))
     if not isinstance(raw, dict) or raw.get("format") != 1 or raw.get("name") != name:
         raise _template_error(name, "expected a format-1 object with a matching name")
     module, qualname = raw.get("module"), raw.get("class")
