@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 
 from .blocks import TransferLayout
@@ -74,6 +75,9 @@ class Client(ControlPlane, InstanceIdAPI):
         self._conn = Connection(url, timeout, protocol)
         self._registry = Registry(self._conn, heartbeat_interval=interval, reap_timeout=reap,
                                   on_health_change=on_health_change, on_recovered=on_recovered)
+        # A client dropped without close() must not leave its heartbeat thread (which
+        # holds the connection, not the client) running for ever.
+        self._finalizer = weakref.finalize(self, _shut_down, self._registry, self._conn)
 
     # ---------------------------------------------------------------- plumbing
     @property
@@ -113,9 +117,7 @@ class Client(ControlPlane, InstanceIdAPI):
         """Stop the heartbeat, fail pending calls with ClientClosed, release the socket.
         Idempotent. Registrations stay on the server until it reaps them (unregister
         first if you are done); KV caches are the caller's to close."""
-        self._registry.stop()
-        self._conn.close()
-        self._registry.join()
+        self._finalizer()
 
     @property
     def closed(self) -> bool:
@@ -206,3 +208,9 @@ class Client(ControlPlane, InstanceIdAPI):
                 f"instance {instance_id} is not registered by this client; register its KV "
                 f"cache first (the server silently drops transfers for unknown instances)")
         return reg
+
+
+def _shut_down(registry: Registry, conn: Connection) -> None:
+    registry.stop()
+    conn.close()  # a PING in flight fails at once
+    registry.join()

@@ -223,6 +223,27 @@ def test_heartbeat_pings_each_registration_and_stops_with_the_last(fake: FakeSer
     assert len(heartbeat_threads()) == before
 
 
+def test_a_dropped_client_stops_its_heartbeat(fake: FakeServer, kv: CpuKVCache) -> None:
+    import gc
+
+    before = len(heartbeat_threads())
+    c = Client(fake.url, protocol="0.5.3", heartbeat_interval=0.05)
+    c.register(kv, model_name="m", mode="lmcache")
+    assert len(heartbeat_threads()) == before + 1
+    del c
+    gc.collect()
+    assert wait_until(lambda: len(heartbeat_threads()) == before)
+
+
+def test_liveness_settings_are_checked() -> None:
+    with pytest.warns(UserWarning, match="heartbeat_interval=15"):
+        Client("tcp://127.0.0.1:9", heartbeat_interval=15).close()
+    for bad in (dict(heartbeat_interval=0), dict(heartbeat_interval=True),
+                dict(reap_timeout=-1), dict(timeout="5")):
+        with pytest.raises(InvalidArgument):
+            Client("tcp://127.0.0.1:9", **bad)  # type: ignore[arg-type]
+
+
 def test_silent_server_turns_unhealthy_then_recovers_with_a_re_register(
         fake: FakeServer, kv: CpuKVCache) -> None:
     changes: list[bool] = []
