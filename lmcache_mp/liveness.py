@@ -158,6 +158,8 @@ class Registry:
             try:
                 reg._keep_alive(seconds)
             except LMCacheMPError as err:
+                if not reg.registered:
+                    continue  # unregistered meanwhile: nothing to keep alive
                 ok = False
                 log.debug("lmcache_mp: heartbeat for instance %d failed: %s",
                           reg.instance_id, err)

@@ -31,11 +31,7 @@ from .blocks import BlockIds, TransferLayout, normalize_block_ids
 from .checks import is_int
 from .connection import Connection
 from .engine_driven import NO_POOL_HELP, Pool, PoolMaps
-from .errors import (
-    InvalidArgument,
-    LMCacheMPError,
-    ProtocolMismatch,
-)
+from .errors import InvalidArgument, LMCacheMPError, ProtocolMismatch, RequestTimeout
 from .futures import ReplyFuture, blocking
 from .ipc.base import ExportableKVCache
 from .keys import CacheKey
@@ -251,8 +247,13 @@ class Registration:
         return self._recover(deadline, b)
 
     def _recover(self, deadline: float, seen: Binding) -> Binding:
-        restarted = False
-        with self._recover_lock:
+        # One re-registration at a time; the others wait for it within their own
+        # deadline, then use what it established.
+        if not self._recover_lock.acquire(timeout=remaining(deadline, "re-registering")):
+            raise RequestTimeout(
+                f"instance {self.instance_id}: another thread's re-registration did not "
+                f"finish within this call's deadline")
+        try:
             b = self._binding
             if b is None:
                 raise InvalidArgument(
@@ -269,6 +270,8 @@ class Registration:
             new = self._register_on_server(deadline)
             self._bind(new, sent_at)
             self.recoveries += 1
+        finally:
+            self._recover_lock.release()
         log.info("lmcache_mp: re-registered instance %d (%s)", self.instance_id,
                  "new connection or failed heartbeat" if restarted else "silent too long")
         if restarted:
@@ -385,7 +388,10 @@ class Registration:
         answer (it then reaps the silent registration itself)."""
         for req in list(self._requests):
             req.close()
-        b, self._binding = self._binding, None
+        # Under the recovery lock: a re-registration in progress finishes first, and
+        # none can bring this registration back afterwards (no ghost on the server).
+        with self._recover_lock:
+            b, self._binding = self._binding, None
         if b is None:
             return
         self._owner.discard(self)
