@@ -31,6 +31,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any, TypeAlias
 
 from .errors import InvalidArgument
@@ -340,6 +341,25 @@ def _template_error(name: str, problem: str) -> RuntimeError:
     )
 
 
+def _template_text(name: str) -> str:
+    """The JSON of template ``name``: from the installed package
+    ``lmcache_mp.pickle_templates``, else, when lmcache_mp runs from a source checkout
+    put on ``sys.path`` (the GPU check does that on the device, where nothing is
+    installed), from the checkout's top-level ``pickle_templates/`` folder."""
+    try:
+        ref = resources.files("lmcache_mp.pickle_templates") / f"{name}.json"
+        return ref.read_text(encoding="utf-8")
+    except ModuleNotFoundError:
+        checkout = Path(__file__).resolve().parent.parent / "pickle_templates"
+        path = checkout / f"{name}.json"
+        if not path.is_file():
+            raise RuntimeError(
+                f"pickle template {name}.json is missing: neither the package "
+                f"lmcache_mp.pickle_templates nor {checkout} exists; reinstall lmcache-mp"
+            ) from None
+        return path.read_text(encoding="utf-8")
+
+
 @functools.cache
 def load_template(name: str) -> Template:
     """The parsed template ``name`` (one of :data:`TEMPLATE_NAMES`)."""
@@ -347,8 +367,7 @@ def load_template(name: str) -> Template:
         raise InvalidArgument(
             f"unknown pickle template {name!r}; use one of {', '.join(TEMPLATE_NAMES)}"
         )
-    ref = resources.files("lmcache_mp.pickle_templates") / f"{name}.json"
-    raw: Any = json.loads(ref.read_text(encoding="utf-8"))
+    raw: Any = json.loads(_template_text(name))
     if not isinstance(raw, dict) or raw.get("format") != 1 or raw.get("name") != name:
         raise _template_error(name, "expected a format-1 object with a matching name")
     module, qualname = raw.get("module"), raw.get("class")
@@ -601,7 +620,8 @@ def emit_cuda_ipc_wrapper(
     device_uuid: str,
     storage_offset: int = 0,
 ) -> bytes:
-    """``pickle.dumps`` of an LMCache 0.5.3 ``CudaIPCWrapper``.
+    """``pickle.dumps`` of an LMCache 0.5.3-0.5.5 ``CudaIPCWrapper`` (same class path
+    and ``__dict__`` in each).
 
     ``handle`` is the :data:`CudaStorageHandle` 8-tuple of
     ``UntypedStorage._share_cuda_()``; ``device_uuid`` the torch form.
