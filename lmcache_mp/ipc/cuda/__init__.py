@@ -13,7 +13,7 @@ or lmcache, and cuda-python only when a driver is first needed.
 
 from __future__ import annotations
 
-from .cache import WRAPPER_FORMATS, CudaKVCache, WrapperFormat, check_server_event
+from .cache import WRAPPER_FORMATS, CudaKVCache, WrapperFormat
 from .driver import (
     IPC_HANDLE_SIZE,
     TIMELINE_EVENT_HANDLE_SIZE,
@@ -25,7 +25,6 @@ from .driver import (
     UnsupportedServerEvent,
     get_driver,
     handle_bytes,
-    stream_handle,
     torch_uuid_string,
     uuid_bytes,
     write_handle_bytes,
@@ -33,9 +32,11 @@ from .driver import (
 from .export import (
     ExportedAllocation,
     TransferEvent,
+    check_server_event,
     default_stream,
     export_allocation,
     on_device,
+    stream_handle,
 )
 
 __all__ = [

@@ -1,17 +1,11 @@
 """GPU KV caches the LMCache server maps through CUDA IPC (:class:`CudaKVCache`).
 
-Wrapper forms (:attr:`CudaKVCache.wrapper_format`); which one goes on the wire is the
-server profile's business (:mod:`lmcache_mp.protocol.wrappers`):
-
-* ``"auto"`` (default): the form the server's profile defaults to, the one its
-  release opens with nothing beyond LMCache's own dependencies.
-* ``"torch_ipc"``: LMCache's ``CudaIPCWrapper`` (0.5.3-0.5.5 pickle) or ``cuda``
-  descriptor (0.5.6): torch's ``_share_cuda_()`` 8-tuple built without torch. The
-  server needs only torch; the offset inside the allocation travels with it.
-* ``"raw"``: LMCache's ``RawCudaIPCWrapper`` / ``cuda_raw`` descriptor, the bare
-  memory handle. The server needs cupy; on 0.5.3 it also needs cuda-bindings <= 13.3
-  (its ``to_tensor`` assigns ``cudaIpcMemHandle_t.reserved``), never unmaps, and the
-  layer must start at its allocation's base.
+Wrapper forms (:attr:`CudaKVCache.wrapper_format`, put on the wire by the server's
+profile, :mod:`lmcache_mp.protocol.wrappers`): ``"auto"`` (default: the form the
+server's release opens with nothing beyond LMCache's own dependencies), ``"torch_ipc"``
+(torch's storage-sharing tuple; the server needs only torch) or ``"raw"`` (the bare
+memory handle; the server needs cupy, and 0.5.3 also cuda-bindings <= 13.3 and
+layers at their allocation's base).
 
 Ordering. Every STORE / RETRIEVE sends the handle of an interprocess event recorded on
 the caller's stream (the server's copy waits for it) and gets back the handle of the
@@ -36,23 +30,19 @@ from typing import Any, Literal
 from ...checks import one_of, positive_int
 from ...errors import InvalidArgument
 from ..base import STORAGE_DTYPES, CudaLayerExport, KVGeometry, KVLayout, LayerExport
-from .driver import (
-    IPC_HANDLE_SIZE,
-    TIMELINE_EVENT_HANDLE_SIZE,
-    CudaDriver,
-    UnsupportedServerEvent,
-    get_driver,
-    stream_handle,
-)
+from .driver import CudaDriver, get_driver
 from .export import (
     CudaArrayView,
     DeviceAllocation,
     ExportedAllocation,
     TransferEvent,
     check_device_index,
+    check_server_event,
     default_stream,
     export_allocation,
     on_device,
+    stream_handle,
+    torch_layer_layout,
 )
 
 __all__ = ["CudaKVCache", "WrapperFormat", "WRAPPER_FORMATS"]
@@ -77,25 +67,6 @@ def _geometry(num_layers: int, num_blocks: int, block_size: int, num_heads: int,
         positive_int("num_layers", num_layers), positive_int("num_blocks", num_blocks),
         positive_int("block_size", block_size), positive_int("num_heads", num_heads),
         positive_int("head_dim", head_dim), dtype, bool(mla))
-
-
-def check_server_event(handle: object) -> bytes:
-    """``handle`` if it is a 64-byte ``cudaIpcEventHandle_t``; else say what the server
-    sent instead (it can then not have copied GPU blocks in a way we can wait for)."""
-    if isinstance(handle, bytes) and len(handle) == IPC_HANDLE_SIZE:
-        return handle
-    if isinstance(handle, bytes) and len(handle) == TIMELINE_EVENT_HANDLE_SIZE \
-            and handle[0] == 1:
-        raise UnsupportedServerEvent(
-            "the server answered with an 81-byte timeline-semaphore event: it runs with "
-            "--isolated-ipc (LMCache 0.5.5+), whose events this client cannot wait on yet. "
-            "Restart the server without --isolated-ipc (containers must then share the "
-            "host IPC namespace / /dev/shm for CUDA IPC events)", call="end_transfer")
-    raise UnsupportedServerEvent(
-        f"the server answered with event handle {handle!r:.40} instead of a 64-byte "
-        f"cudaIpcEventHandle_t: it is not running in GPU mode (its log says "
-        f"torch_device_type=cpu?), so it cannot have copied GPU blocks. Start it where "
-        f"torch sees the GPU, or register a CpuKVCache", call="end_transfer")
 
 
 class CudaKVCache:
@@ -243,43 +214,12 @@ class CudaKVCache:
         ``[2, num_blocks, num_heads, block_size, head_dim]`` (``mla=True``:
         ``[num_blocks, block_size, head_dim]``), same shape, dtype and device."""
         layers = list(layers)
-        if not layers:
-            raise InvalidArgument("layers must hold one CUDA tensor per layer (got none)")
-        first = layers[0]
-        shape = tuple(int(d) for d in getattr(first, "shape", ()))
-        for i, t in enumerate(layers):
-            device = getattr(t, "device", None)
-            if getattr(device, "type", None) != "cuda":
-                raise InvalidArgument(f"layer {i} is not a CUDA tensor (device {device})")
-            if tuple(int(d) for d in t.shape) != shape or t.dtype != first.dtype \
-                    or t.device != first.device:
-                raise InvalidArgument(
-                    f"layer {i} differs from layer 0 in shape, dtype or device: "
-                    f"{tuple(t.shape)} {t.dtype} {t.device} vs {shape} {first.dtype} "
-                    f"{first.device}")
-            if not t.is_contiguous():
-                raise InvalidArgument(
-                    f"layer {i} is not contiguous: the server maps it as a dense block "
-                    f"(pass .contiguous() copies, or allocate with CudaKVCache.allocate)")
-        dtype = str(first.dtype).removeprefix("torch.")
-        if mla:
-            if len(shape) != 3:
-                raise InvalidArgument(
-                    f"MLA layers are [num_blocks, block_size, head_dim], got {shape}")
-            num_blocks, block_size, head_dim = shape
-            num_heads = 1
-        else:
-            if len(shape) != 5 or shape[0] != 2:
-                hint = " (an MLA cache? pass mla=True)" if len(shape) == 3 else ""
-                raise InvalidArgument(
-                    f"layers must be HND [2, num_blocks, num_heads, block_size, head_dim], "
-                    f"got {shape}{hint}")
-            _, num_blocks, num_heads, block_size, head_dim = shape
-        index = first.device.index
+        dtype, (num_blocks, num_heads, block_size, head_dim), index = torch_layer_layout(
+            layers, mla)
         return cls.from_pointers(
             [int(t.data_ptr()) for t in layers], num_blocks=num_blocks,
             block_size=block_size, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
-            mla=mla, device=0 if index is None else int(index), keepalive=layers,
+            mla=mla, device=index, keepalive=layers,
             wrapper=wrapper, wait_host=wait_host, driver=driver, torch_layers=layers)
 
     # --------------------------------------------------------------- views

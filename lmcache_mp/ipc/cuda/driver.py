@@ -31,7 +31,6 @@ __all__ = [
     "handle_bytes",
     "write_handle_bytes",
     "uuid_bytes",
-    "stream_handle",
 ]
 
 IPC_HANDLE_SIZE = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t are both 64 bytes
@@ -137,35 +136,6 @@ def uuid_bytes(uuid_struct: object) -> bytes:
     if len(data) != 16:
         raise CudaError(f"a CUDA device UUID is 16 bytes, got {len(data)}")
     return data
-
-
-def stream_handle(stream: object) -> int:
-    """The ``cudaStream_t`` value of an explicit ``stream``: an int handle (0 is the
-    legacy default stream), a torch.cuda.Stream (``.cuda_stream``), any object with the
-    CUDA stream protocol (``__cuda_stream__``, e.g. cupy), or a cuda-bindings
-    ``cudaStream_t`` / ``CUstream``. (``None`` is resolved by the cache, which knows
-    the device: see :func:`~lmcache_mp.ipc.cuda.export.default_stream`.)"""
-    if stream is None:
-        return 0
-    if isinstance(stream, bool):
-        raise InvalidArgument("stream must be a CUDA stream or None, got a bool")
-    if isinstance(stream, int):
-        value = stream
-    elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream / ExternalStream
-        value = int(stream.cuda_stream)
-    elif hasattr(stream, "__cuda_stream__"):
-        value = int(stream.__cuda_stream__()[1])
-    else:
-        try:
-            value = int(stream)  # type: ignore[call-overload]
-        except (TypeError, ValueError):
-            raise InvalidArgument(
-                f"stream must be None, an int handle, a torch.cuda.Stream or a "
-                f"cuda-bindings stream, got {type(stream).__name__}"
-            ) from None
-    if value < 0:
-        raise InvalidArgument(f"a CUDA stream handle is non-negative, got {value}")
-    return value
 
 
 # ------------------------------------------------------------------- driver

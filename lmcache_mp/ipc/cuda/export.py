@@ -1,5 +1,6 @@
 """Exporting device memory and ordering transfers: what one layer's CUDA IPC export
-is, the device/context and stream rules, and the caller's per-transfer event.
+is, the device/context and stream rules, the caller's per-transfer event, and which
+reply events can be waited on.
 
 Memory. A ``cudaIpcMemHandle_t`` always names a whole ``cudaMalloc`` allocation and
 maps at its base; :func:`export_allocation` records where the pointer sits in it (the
@@ -20,7 +21,15 @@ from typing import Any
 
 from ...checks import positive_int
 from ...errors import InvalidArgument
-from .driver import CU_MEMORYTYPE_DEVICE, CudaDriver, CudaError, get_driver
+from .driver import (
+    CU_MEMORYTYPE_DEVICE,
+    IPC_HANDLE_SIZE,
+    TIMELINE_EVENT_HANDLE_SIZE,
+    CudaDriver,
+    CudaError,
+    UnsupportedServerEvent,
+    get_driver,
+)
 
 __all__ = [
     "ExportedAllocation",
@@ -28,6 +37,9 @@ __all__ = [
     "export_allocation",
     "on_device",
     "default_stream",
+    "stream_handle",
+    "check_server_event",
+    "torch_layer_layout",
 ]
 
 
@@ -47,6 +59,35 @@ def on_device(driver: CudaDriver, device: int) -> Iterator[None]:
     finally:
         if switched:
             driver.set_device(prev)
+
+
+def stream_handle(stream: object) -> int:
+    """The ``cudaStream_t`` value of an explicit ``stream``: an int handle (0 is the
+    legacy default stream), a torch.cuda.Stream (``.cuda_stream``), any object with the
+    CUDA stream protocol (``__cuda_stream__``, e.g. cupy), or a cuda-bindings
+    ``cudaStream_t`` / ``CUstream``. (``None`` is resolved by the cache, which knows
+    the device: see :func:`~lmcache_mp.ipc.cuda.export.default_stream`.)"""
+    if stream is None:
+        return 0
+    if isinstance(stream, bool):
+        raise InvalidArgument("stream must be a CUDA stream or None, got a bool")
+    if isinstance(stream, int):
+        value = stream
+    elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream / ExternalStream
+        value = int(stream.cuda_stream)
+    elif hasattr(stream, "__cuda_stream__"):
+        value = int(stream.__cuda_stream__()[1])
+    else:
+        try:
+            value = int(stream)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"stream must be None, an int handle, a torch.cuda.Stream or a "
+                f"cuda-bindings stream, got {type(stream).__name__}"
+            ) from None
+    if value < 0:
+        raise InvalidArgument(f"a CUDA stream handle is non-negative, got {value}")
+    return value
 
 
 def default_stream(device: int) -> int:
@@ -227,7 +268,70 @@ class TransferEvent:
         return not self._finalizer.alive
 
 
+# (dtype name, (num_blocks, num_heads, block_size, head_dim), device index)
+TorchLayout = tuple[str, tuple[int, int, int, int], int]
+
+
+def torch_layer_layout(layers: list[Any], mla: bool) -> TorchLayout:
+    """What :meth:`CudaKVCache.from_torch` needs from caller-owned CUDA tensors, checked
+    (one per layer, contiguous, same shape, dtype and device): the dtype name,
+    ``(num_blocks, num_heads, block_size, head_dim)`` and the device index."""
+    if not layers:
+        raise InvalidArgument("layers must hold one CUDA tensor per layer (got none)")
+    first = layers[0]
+    shape = tuple(int(d) for d in getattr(first, "shape", ()))
+    for i, t in enumerate(layers):
+        device = getattr(t, "device", None)
+        if getattr(device, "type", None) != "cuda":
+            raise InvalidArgument(f"layer {i} is not a CUDA tensor (device {device})")
+        if tuple(int(d) for d in t.shape) != shape or t.dtype != first.dtype \
+                or t.device != first.device:
+            raise InvalidArgument(
+                f"layer {i} differs from layer 0 in shape, dtype or device: "
+                f"{tuple(t.shape)} {t.dtype} {t.device} vs {shape} {first.dtype} "
+                f"{first.device}")
+        if not t.is_contiguous():
+            raise InvalidArgument(
+                f"layer {i} is not contiguous: the server maps it as a dense block "
+                f"(pass .contiguous() copies, or allocate with CudaKVCache.allocate)")
+    dtype = str(first.dtype).removeprefix("torch.")
+    if mla:
+        if len(shape) != 3:
+            raise InvalidArgument(
+                f"MLA layers are [num_blocks, block_size, head_dim], got {shape}")
+        num_blocks, block_size, head_dim = shape
+        num_heads = 1
+    else:
+        if len(shape) != 5 or shape[0] != 2:
+            hint = " (an MLA cache? pass mla=True)" if len(shape) == 3 else ""
+            raise InvalidArgument(
+                f"layers must be HND [2, num_blocks, num_heads, block_size, head_dim], "
+                f"got {shape}{hint}")
+        _, num_blocks, num_heads, block_size, head_dim = shape
+    index = first.device.index
+    return dtype, (num_blocks, num_heads, block_size, head_dim), 0 if index is None else int(index)
+
+
 def check_device_index(device: object) -> int:
     if isinstance(device, bool) or not isinstance(device, int) or device < 0:
         raise InvalidArgument(f"device must be a CUDA device index (int >= 0), got {device!r}")
     return device
+
+
+def check_server_event(handle: object) -> bytes:
+    """``handle`` if it is a 64-byte ``cudaIpcEventHandle_t``; else say what the server
+    sent instead (it can then not have copied GPU blocks in a way we can wait for)."""
+    if isinstance(handle, bytes) and len(handle) == IPC_HANDLE_SIZE:
+        return handle
+    if isinstance(handle, bytes) and len(handle) == TIMELINE_EVENT_HANDLE_SIZE \
+            and handle[0] == 1:
+        raise UnsupportedServerEvent(
+            "the server answered with an 81-byte timeline-semaphore event: it runs with "
+            "--isolated-ipc (LMCache 0.5.5+), whose events this client cannot wait on yet. "
+            "Restart the server without --isolated-ipc (containers must then share the "
+            "host IPC namespace / /dev/shm for CUDA IPC events)", call="end_transfer")
+    raise UnsupportedServerEvent(
+        f"the server answered with event handle {handle!r:.40} instead of a 64-byte "
+        f"cudaIpcEventHandle_t: it is not running in GPU mode (its log says "
+        f"torch_device_type=cpu?), so it cannot have copied GPU blocks. Start it where "
+        f"torch sees the GPU, or register a CpuKVCache", call="end_transfer")
