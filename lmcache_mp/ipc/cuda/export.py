@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ...checks import positive_int
+from ...checks import non_negative_int, positive_int
 from ...errors import InvalidArgument
 from .driver import (
     CU_MEMORYTYPE_DEVICE,
@@ -150,8 +150,7 @@ def export_allocation(
     ``allow_offset``, pointers that are not the base of their allocation.
     """
     drv = driver if driver is not None else get_driver()
-    if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr <= 0:
-        raise InvalidArgument(f"ptr must be a device address (a positive int), got {ptr!r}")
+    positive_int("ptr (a device address)", ptr)
     positive_int("nbytes", nbytes)
     if drv.current_context() == 0:
         raise CudaError(
@@ -313,9 +312,7 @@ def torch_layer_layout(layers: list[Any], mla: bool) -> TorchLayout:
 
 
 def check_device_index(device: object) -> int:
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise InvalidArgument(f"device must be a CUDA device index (int >= 0), got {device!r}")
-    return device
+    return non_negative_int("device (a CUDA device index)", device)
 
 
 def check_server_event(handle: object) -> bytes:
