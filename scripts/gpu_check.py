@@ -550,7 +550,9 @@ def table(results: list[dict[str, Any]], sizes: list[int]) -> str:
     def verdict(r: dict[str, Any]) -> str:
         if r.get("skipped"):
             return "skipped"
-        return "yes" if r["ok"] else "HUNG" if r.get("hung") else "NO"
+        if r["ok"]:
+            return "yes"
+        return "HUNG" if r.get("hung") else "CUT" if r.get("interrupted") else "NO"
 
     rows = [["", *(r["side"] for r in results)]]
     rows.append(["round trip ok", *(verdict(r) for r in results)])
@@ -624,6 +626,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_term(signum: int, frame: Any) -> None:
         report.state = f"interrupted by signal {signum} while running {report.running}"
+        for r in report.results:
+            if not r.get("ok") and not r.get("skipped") and r.get("error") is None:
+                r.update(interrupted=True, error=f"cut short by signal {signum} at step "
+                                                 f"{r.get('step')!r}")
         report.write()
         unlink_own_segments()
         print(f"gpu_check: {report.state}", file=sys.stderr, flush=True)

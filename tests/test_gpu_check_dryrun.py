@@ -223,7 +223,10 @@ def test_sigterm_mid_step_writes_the_summary_and_stops_everything(launch: Any) -
     # gpu_check.py, stopped by timeout's SIGTERM, wrote its own last words too.
     assert res["state"].startswith("interrupted by signal 15 while running raw")
     assert res["results"][0]["ok"] and res["results"][0]["side"] == "ours (torch_ipc)"
-    assert "INTERRUPTED by SIGTERM" in run.text and "ours (torch_ipc)" in run.text
+    cut = res["results"][1]
+    assert cut["interrupted"] and "cut short by signal 15 at step 'register'" in cut["error"]
+    assert "INTERRUPTED by SIGTERM" in run.text
+    assert "| round trip ok          | yes              | CUT        |" in run.text
 
 
 def test_sigkill_leaves_the_last_written_summary(launch: Any) -> None:
