@@ -3,8 +3,9 @@
 Reports the CUDA driver and runtime, each device with the UUID string the server
 matches on, whether CUDA IPC memory and event handles can be made here (by making,
 exporting and releasing a small allocation and an event), ``/dev/shm`` (CPU caches and
-the server's L1 pool live there) and, given a URL, whether a server answers and with
-which protocol. Without CUDA it says so and reports the rest; it never raises.
+the server's L1 pool live there) and, given a URL, whether a server answers, with which
+protocol, and which CUDA wrapper forms it opens (and which one ``wrapper="auto"``
+picks). Without CUDA it says so and reports the rest; it never raises.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .errors import LMCacheMPError
 
 if TYPE_CHECKING:
     from .ipc.cuda import CudaDriver
+    from .protocol.wrappers import WrapperFormats
 
 __all__ = ["Check", "run_doctor", "format_report", "main_doctor"]
 
@@ -85,11 +87,11 @@ def _cuda_checks(driver: CudaDriver | None) -> list[Check]:
 
 def _ipc_probe(drv: CudaDriver, device: int) -> list[Check]:
     """Make, export and release a small allocation and an interprocess event."""
-    from .ipc.cuda import _on_device, export_allocation
+    from .ipc.cuda import export_allocation, on_device
 
     rows: list[Check] = []
     try:
-        with _on_device(drv, device):
+        with on_device(drv, device):
             ptr = drv.malloc(_PROBE_BYTES)
             try:
                 exp = export_allocation(ptr, _PROBE_BYTES, driver=drv)
@@ -101,7 +103,7 @@ def _ipc_probe(drv: CudaDriver, device: int) -> list[Check]:
     except LMCacheMPError as exc:
         rows.append((f"IPC memory handle (device {device})", f"failed: {exc}", False))
     try:
-        with _on_device(drv, device):
+        with on_device(drv, device):
             event = drv.event_create_ipc()
             try:
                 drv.event_record(event, 0)
@@ -126,7 +128,7 @@ def _shm_check(path: str = "/dev/shm") -> Check:
     return (path, f"size {_gib(size)}, free {_gib(free)}", free > 0)
 
 
-def _server_check(url: str, timeout: float) -> Check:
+def _server_checks(url: str, timeout: float) -> list[Check]:
     try:
         from .client import Client
 
@@ -134,13 +136,25 @@ def _server_check(url: str, timeout: float) -> Check:
             noop = client.noop()
             chunk = client.chunk_size()
             protocol = client.server_protocol
-            releases = ", ".join(client.profile.releases)
-        return ("server", f"{url} answers (NOOP {noop!r}, chunk size {chunk}, protocol "
-                          f"{protocol}: LMCache {releases})", True)
+            profile = client.profile
+        releases = ", ".join(profile.releases)
     except LMCacheMPError as exc:
-        return ("server", f"{url} did not answer: {exc}", False)
+        return [("server", f"{url} did not answer: {exc}", False)]
     except Exception as exc:  # e.g. a malformed URL the transport rejects
-        return ("server", f"{url}: {exc!r}", False)
+        return [("server", f"{url}: {exc!r}", False)]
+    return [("server", f"{url} answers (NOOP {noop!r}, chunk size {chunk}, protocol "
+                       f"{protocol}: LMCache {releases})", True),
+            ("CUDA wrapper forms", _wrapper_forms(profile.wrappers), True)]
+
+
+def _wrapper_forms(wrappers: WrapperFormats) -> str:
+    """Which CUDA wrapper forms the server opens, the ``"auto"`` one first."""
+    parts = []
+    for form in wrappers.cuda:
+        note = wrappers.cuda_notes.get(form, "")
+        default = "wrapper='auto' picks this; " if form == wrappers.default_cuda_form else ""
+        parts.append(f"{form} ({default}{note})" if default or note else form)
+    return "the server opens " + "; ".join(parts)
 
 
 def run_doctor(url: str | None, timeout: float, *,
@@ -160,7 +174,7 @@ def run_doctor(url: str | None, timeout: float, *,
     if url is None:
         rows.append(("server", "not checked (pass --url tcp://HOST:PORT)", True))
     else:
-        rows.append(_server_check(url, timeout))
+        rows.extend(_server_checks(url, timeout))
     return rows
 
 

@@ -34,7 +34,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, LMCacheMPError
 
 __all__ = [
     "TEMPLATE_NAMES",
@@ -342,14 +342,22 @@ def _template_error(name: str, problem: str) -> RuntimeError:
 
 
 def _template_text(name: str) -> str:
+    """The JSON of template ``name``: from the installed package
+    ``lmcache_mp.pickle_templates``, else, when lmcache_mp runs from a source checkout
+    put on ``sys.path`` (the GPU check does that on the device, where nothing is
+    installed), from the checkout's top-level ``pickle_templates/`` folder."""
     try:
         ref = resources.files("lmcache_mp.pickle_templates") / f"{name}.json"
+        return ref.read_text(encoding="utf-8")
     except ModuleNotFoundError:
-        # A source checkout used without installing (PYTHONPATH=., the oracle venv's
-        # benchmarks, the GPU run): the templates sit at the repository's top level.
-        path = Path(__file__).resolve().parent.parent / "pickle_templates" / f"{name}.json"
+        checkout = Path(__file__).resolve().parent.parent / "pickle_templates"
+        path = checkout / f"{name}.json"
+        if not path.is_file():
+            raise LMCacheMPError(
+                f"pickle template {name}.json is missing: neither the package "
+                f"lmcache_mp.pickle_templates nor {checkout} exists; reinstall lmcache-mp"
+            ) from None
         return path.read_text(encoding="utf-8")
-    return ref.read_text(encoding="utf-8")
 
 
 @functools.cache
@@ -612,7 +620,8 @@ def emit_cuda_ipc_wrapper(
     device_uuid: str,
     storage_offset: int = 0,
 ) -> bytes:
-    """``pickle.dumps`` of an LMCache 0.5.3 ``CudaIPCWrapper``.
+    """``pickle.dumps`` of an LMCache 0.5.3-0.5.5 ``CudaIPCWrapper`` (same class path
+    and ``__dict__`` in each).
 
     ``handle`` is the :data:`CudaStorageHandle` 8-tuple of
     ``UntypedStorage._share_cuda_()``; ``device_uuid`` the torch form.

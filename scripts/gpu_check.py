@@ -1,24 +1,34 @@
 #!/usr/bin/env python3
-"""The GPU round trip against a real LMCache MP server in GPU mode (run by gpu_check.sh).
+"""The GPU round trip against one real LMCache MP server in GPU mode (run by gpu_check.sh).
 
 For each client side: allocate a paged bf16 KV cache on the GPU (several layers), fill it
-with random bits, REGISTER_KV_CACHE (timed), then for 256 and 4096 tokens: STORE from
-source blocks, wait until LOOKUP sees every chunk, RETRIEVE into other (zeroed) blocks,
-and compare on the GPU: destination == source bit for bit, every other block unchanged.
+with random bits, REGISTER_KV_CACHE (timed), then for each size: STORE from source
+blocks, wait until LOOKUP sees every chunk, RETRIEVE into other (zeroed) blocks, and
+compare on the GPU: destination == source bit for bit, every other block unchanged.
 Then UNREGISTER. Sides:
 
-* ours (raw):       lmcache_mp + CudaKVCache, RawCudaIPCWrapper (server: cupy + bindings)
-* ours (torch_ipc): lmcache_mp + CudaKVCache, CudaIPCWrapper built without torch
-* LMCache:          LMCache's own worker client (MessageQueueClient,
-                    LMCacheDrivenTransferContext, CudaIPCWrapper from torch tensors,
-                    torch.cuda.Event(interprocess=True)), as vLLM's adapter drives it
+* torch_ipc / raw / auto: lmcache_mp + CudaKVCache with that wrapper form
+* lmcache:                LMCache's own worker client (LMCacheDrivenTransferContext over
+                          its MessageQueueClient (0.5.3) or RequestClient (0.5.6)),
+                          the way vLLM's adapter drives it, producer event kept alive
+                          until the reply as the adapter does
+
+A run must never be lost on a lent device, so: every request has a deadline
+(``--request-timeout``, ~20 s); each side runs in its own thread and is abandoned
+(recorded as hung, with the step it hung in) after ``--side-timeout`` or at
+``--deadline``; results are written to ``--out`` (JSON, with the table) after every
+side and on SIGTERM; every side's cache stays allocated until the whole run ends (a
+freed allocation that the server still maps must not alias the next side's memory);
+zmq contexts are destroyed with linger 0, and the process leaves with ``os._exit``
+so nothing hung can hold it.
 
 Timings include the request, the server's copy and a host wait for its completion event
 (LMCache's future waits on the host, so ours runs with wait_host=True); best of --reps.
 
-Exit status: 0 all sides round-tripped, 1 a side failed, 3 no GPU here.
+Exit status: 0 every side that ran round-tripped, 1 a side failed or hung, 3 no GPU.
 ``--cpu-dry-run`` runs the same flow against a CPU-mode server with CpuKVCache and CPU
-tensors, to check this script on a machine without a GPU; it proves nothing about CUDA.
+tensors, to rehearse this script on a machine without a GPU; it proves nothing about
+CUDA. ``GPU_CHECK_FAULT=hang:SIDE,fail:SIDE`` provokes a hung or failing side (tests).
 """
 
 from __future__ import annotations
@@ -27,37 +37,46 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+SIDES = ("torch_ipc", "raw", "auto", "lmcache")
+MIN_SIDE_SECONDS = 15.0  # a side is not started with less time than this left
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--url", required=True, help="the server, e.g. tcp://127.0.0.1:5555")
+    p.add_argument("--release", default="?", help="the server's LMCache release (label)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--sizes", default="256,4096", help="token counts to move, comma-separated")
     p.add_argument("--reps", type=int, default=3, help="round trips per size (best is reported)")
-    p.add_argument("--timeout", type=float, default=60.0, help="per request, seconds")
-    p.add_argument("--register-timeout", type=float, default=120.0)
-    p.add_argument("--sides", default="raw,torch_ipc,lmcache",
-                   help="which clients to run: raw, torch_ipc, lmcache")
-    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--request-timeout", type=float, default=20.0, help="per request, seconds")
+    p.add_argument("--register-timeout", type=float, default=45.0)
+    p.add_argument("--side-timeout", type=float, default=60.0,
+                   help="a side still running after this long is recorded as hung")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="wall-clock time (epoch seconds) by which this run must end")
+    p.add_argument("--sides", default="torch_ipc,raw,lmcache",
+                   help=f"which clients to run, from {', '.join(SIDES)}")
+    p.add_argument("--out", help="write the results as JSON here (after every side)")
     p.add_argument("--cpu-dry-run", action="store_true",
                    help="exercise this script against a CPU-mode server (no CUDA involved)")
     args = p.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.sides = [s for s in args.sides.split(",") if s]
     for side in args.sides:
-        if side not in ("raw", "torch_ipc", "lmcache"):
+        if side not in SIDES:
             p.error(f"unknown side {side!r}")
     return args
 
@@ -76,22 +95,33 @@ def no_gpu_reason() -> str | None:
     return None
 
 
-def raw_wrapper_blocker() -> str | None:
-    """Why the server (same Python environment as this script) cannot open a
-    RawCudaIPCWrapper, if it cannot."""
+def raw_wrapper_blocker(release: str) -> str | None:
+    """Why the server (same Python environment as this script) cannot open a raw
+    wrapper, if it cannot: 0.5.3's RawCudaIPCWrapper.to_tensor assigns
+    cudaIpcMemHandle_t.reserved (gone in cuda-bindings 13.4); every release needs cupy."""
     try:
         import cuda.bindings as cb
         from cuda.bindings import runtime as rt
     except ImportError as exc:
         return f"cuda-bindings does not import: {exc}"
-    if not hasattr(rt.cudaIpcMemHandle_t(), "reserved"):
+    if release in ("0.5.3", "0.5.4") and not hasattr(rt.cudaIpcMemHandle_t(), "reserved"):
         return (f"cuda-bindings {cb.__version__} has no cudaIpcMemHandle_t.reserved, which "
-                f"LMCache 0.5.3's RawCudaIPCWrapper.to_tensor assigns (removed in 13.4)")
+                f"LMCache {release}'s RawCudaIPCWrapper.to_tensor assigns (removed in 13.4)")
     try:
         import cupy  # noqa: F401
     except Exception as exc:
-        return f"cupy does not import ({exc!r}); RawCudaIPCWrapper.to_tensor needs it"
+        return f"cupy does not import ({exc!r}); the raw wrapper's to_tensor needs it"
     return None
+
+
+def faults() -> dict[str, str]:
+    """GPU_CHECK_FAULT=hang:lmcache,fail:raw -> {"lmcache": "hang", "raw": "fail"}."""
+    out: dict[str, str] = {}
+    for item in os.environ.get("GPU_CHECK_FAULT", "").split(","):
+        kind, _, side = item.partition(":")
+        if kind in ("hang", "fail") and side:
+            out[side] = kind
+    return out
 
 
 # ---------------------------------------------------------------- the flow
@@ -127,7 +157,7 @@ class OursSide(Side):
 
         self.name = f"ours ({wrapper})"
         self.args, self.model = args, model
-        self.client = Client(args.url, timeout=args.timeout)
+        self.client = Client(args.url, timeout=args.request_timeout)
         self.chunk = self.client.chunk_size()
         geometry = dict(num_layers=args.layers, num_blocks=layout.num_blocks,
                         block_size=args.block_size, num_heads=args.heads,
@@ -164,7 +194,8 @@ class OursSide(Side):
                                  instance_id=self.instance_id)
 
     def wait_visible(self, tokens: list[int], size: int, rid: str) -> int:
-        return self.client.wait_for_lookup(self._key(tokens, size, rid), timeout=10.0)
+        return self.client.wait_for_lookup(self._key(tokens, size, rid),
+                                           timeout=self.args.request_timeout)
 
     def retrieve(self, tokens: list[int], size: int, blocks: list[int], rid: str) -> bool:
         return self.client.retrieve(self._key(tokens, size, rid), blocks,
@@ -182,27 +213,40 @@ class OursSide(Side):
 
 
 class LMCacheSide(Side):
-    """LMCache's own worker-side client, the way vLLM's MP adapter drives it."""
+    """LMCache's own worker-side client, the way vLLM's MP adapter drives it: 0.5.3's
+    MessageQueueClient + RequestType, or 0.5.6's method-oriented RequestClient."""
 
     def __init__(self, args: argparse.Namespace, layout: Layout, model: str) -> None:
         import torch
         import zmq
-        from lmcache import torch_dev
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
-        from lmcache.v1.multiprocess.mq import MessageQueueClient
-        from lmcache.v1.multiprocess.protocol import get_response_class
-        from lmcache.v1.multiprocess.protocols.base import RequestType
         from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
             LMCacheDrivenTransferContext,
         )
 
         self.name = "LMCache"
-        self.args, self.model = args, model
-        self.torch_dev, self.Key, self.RT = torch_dev, IPCCacheServerKey, RequestType
-        self.get_response_class = get_response_class
+        self.args, self.model, self.Key = args, model, IPCCacheServerKey
+        self.has_readers = "num_kv_readers" in getattr(IPCCacheServerKey,
+                                                       "__dataclass_fields__", {})
         self.zctx = zmq.Context()
-        self.mq = MessageQueueClient(args.url, self.zctx)
-        self.chunk = int(self._call(RequestType.GET_CHUNK_SIZE, []))
+        self.instance_id = random.getrandbits(62)
+        try:
+            from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+        except ImportError:  # 0.5.3-0.5.5: the op-enum message queue
+            from lmcache.v1.multiprocess.mq import MessageQueueClient
+            from lmcache.v1.multiprocess.protocol import get_response_class
+            from lmcache.v1.multiprocess.protocols.base import RequestType
+
+            self.rpc = None
+            self.RT, self.get_response_class = RequestType, get_response_class
+            self.mq = MessageQueueClient(args.url, self.zctx)
+            self.ctx = LMCacheDrivenTransferContext()
+            self.chunk = int(self._call(RequestType.GET_CHUNK_SIZE, []))
+        else:
+            self.mq = None
+            self.rpc = RequestClientFactory.create(args.url, context=self.zctx)
+            self.ctx = LMCacheDrivenTransferContext(self.instance_id, self.rpc)
+            self.chunk = int(self.rpc.get_chunk_size().result(timeout=args.request_timeout))
         self.blocks_in_chunk = self.chunk // args.block_size
         device = "cpu" if args.cpu_dry_run else "cuda"
         shape = (2, layout.num_blocks, args.heads, args.block_size, args.head_dim)  # HND
@@ -213,72 +257,116 @@ class LMCacheSide(Side):
         if args.cpu_dry_run:
             # What register() does to CPU tensors anyway; done first to learn the SHM
             # names and unlink them at the end.
-            from lmcache.v1.platform.cpu.shm import migrate_to_shm_and_wrap
-
+            try:
+                from lmcache.v1.platform.devices.cpu.shm import migrate_to_shm_and_wrap
+            except ImportError:
+                from lmcache.v1.platform.cpu.shm import migrate_to_shm_and_wrap
             self.shm_names = [migrate_to_shm_and_wrap(t).shm_name for t in self.layers]
-        self.ctx = LMCacheDrivenTransferContext()
-        self.instance_id = random.getrandbits(62)
         self.registered = False
+        self.pending_event: Any = None
 
     def _send(self, rt: Any, payloads: list[Any]) -> Any:
+        assert self.mq is not None
         return self.mq.submit_request(rt, payloads, self.get_response_class(rt))
 
-    def _call(self, rt: Any, payloads: list[Any], timeout: float | None = None) -> Any:
-        return self._send(rt, payloads).result(timeout=timeout or self.args.timeout)
+    def _call(self, rt: Any, payloads: list[Any]) -> Any:
+        return self._send(rt, payloads).result(timeout=self.args.request_timeout)
 
     def _key(self, tokens: list[int], size: int, rid: str, worker: int | None = 0) -> Any:
-        return self.Key(self.model, 1, worker, tuple(tokens), 0, size, rid)
+        # 0.5.5+ keys carry num_kv_readers (LOOKUP drops keys without readers).
+        readers = {"num_kv_readers": 1} if self.has_readers else {}
+        return self.Key(model_name=self.model, world_size=1, worker_id=worker,
+                        token_ids=tuple(tokens), start=0, end=size, request_id=rid,
+                        **readers)
 
     def register(self) -> float:
         from lmcache.utils import EngineType
         from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 
+        groups = [EngineGroupInfo(0, tuple(range(self.args.layers)), self.args.block_size)]
         start = time.perf_counter()
-        self.ctx.register(
-            self.instance_id, self.kv_caches, self.model, 1, self.blocks_in_chunk, self.mq,
-            self.args.register_timeout, send_request=lambda mq, rt, p: self._send(rt, p),
-            layout_hints={"kv_layout": "HND"},
-            engine_group_infos=[EngineGroupInfo(0, tuple(range(self.args.layers)),
-                                                self.args.block_size)],
-            engine_type=EngineType.VLLM)
+        if self.rpc is None:
+            self.ctx.register(
+                self.instance_id, self.kv_caches, self.model, 1, self.blocks_in_chunk,
+                self.mq, self.args.register_timeout,
+                send_request=lambda mq, rt, p: self._send(rt, p),
+                layout_hints={"kv_layout": "HND"}, engine_group_infos=groups,
+                engine_type=EngineType.VLLM)
+        else:
+            self.ctx.register(
+                self.kv_caches, self.model, 1, self.blocks_in_chunk,
+                self.args.register_timeout, layout_hints={"kv_layout": "HND"},
+                engine_group_infos=groups, engine_type=EngineType.VLLM)
         self.registered = True
         return time.perf_counter() - start
 
     def _event(self) -> Any:
-        # vLLM records the event on its stream after the work the transfer must follow.
-        event = self.torch_dev.Event(interprocess=True)
+        # vLLM records the event on its stream after the work the transfer must follow,
+        # and keeps it until the reply (adapter: store_events / retrieve_events): the
+        # server opens the handle only when it handles the request.
+        make = getattr(self.ctx, "create_recorded_event", None)
+        if make is not None:
+            return make()
+        from lmcache import torch_dev
+
+        event = torch_dev.Event(interprocess=True)
         event.record()
         return event
 
+    def _transfer(self, submit: Any, rid: str, key: Any, blocks: list[int],
+                  *extra: Any) -> bool:
+        # 0.5.3 passes the instance id with every request; 0.5.6's context holds it.
+        ids = (self.instance_id,) if self.rpc is None else ()
+        self.pending_event = self._event()
+        try:
+            fut = submit(rid, key, *ids, self.kv_caches, [blocks], self.pending_event,
+                         self.blocks_in_chunk, *extra)
+            return bool(fut.result(timeout=self.args.request_timeout))
+        finally:
+            self.pending_event = None  # released only once the reply is in
+
     def store(self, tokens: list[int], size: int, blocks: list[int], rid: str) -> bool:
-        fut = self.ctx.submit_store(rid, self._key(tokens, size, rid), self.instance_id,
-                                    self.kv_caches, [blocks], self._event(), self.blocks_in_chunk)
-        return bool(fut.result(timeout=self.args.timeout))  # waits for the server's event
+        return self._transfer(self.ctx.submit_store, rid, self._key(tokens, size, rid), blocks)
+
+    def retrieve(self, tokens: list[int], size: int, blocks: list[int], rid: str) -> bool:
+        return self._transfer(self.ctx.submit_retrieve, rid, self._key(tokens, size, rid),
+                              blocks, 0)
+
+    def _lookup_round(self, key: Any, rid: str) -> int:
+        timeout = self.args.request_timeout
+        if self.rpc is None:
+            self._call(self.RT.LOOKUP, [key, 1])
+            return int(self._call(self.RT.WAIT_PREFETCH_STATUS, [rid, 5.0]) or 0)
+        self.rpc.lookup(key, 1).result(timeout=timeout)
+        return int(self.rpc.wait_prefetch_status(rid, 5.0).result(timeout=timeout) or 0)
+
+    def _free_locks(self, key: Any) -> None:
+        if self.rpc is None:
+            self._call(self.RT.FREE_LOOKUP_LOCKS, [key, 1])
+        else:
+            self.rpc.free_lookup_locks(key, 1).result(timeout=self.args.request_timeout)
 
     def wait_visible(self, tokens: list[int], size: int, rid: str) -> int:
         want = size // self.chunk
-        key = self._key(tokens, size, rid, worker=None)
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + self.args.request_timeout
         while True:
-            self._call(self.RT.LOOKUP, [key, 1])
-            hits = int(self._call(self.RT.WAIT_PREFETCH_STATUS, [rid, 5.0]) or 0)
+            hits = self._lookup_round(self._key(tokens, size, rid, worker=None), rid)
             if hits >= want or time.monotonic() > deadline:
                 return hits
             if hits:
-                self._call(self.RT.FREE_LOOKUP_LOCKS, [
-                    self.Key(self.model, 1, None, tuple(tokens), 0, hits * self.chunk, rid), 1])
+                self._free_locks(self._key(tokens, hits * self.chunk, rid, worker=None))
             time.sleep(0.02)
 
-    def retrieve(self, tokens: list[int], size: int, blocks: list[int], rid: str) -> bool:
-        fut = self.ctx.submit_retrieve(rid, self._key(tokens, size, rid), self.instance_id,
-                                       self.kv_caches, [blocks], self._event(),
-                                       self.blocks_in_chunk, 0)
-        return bool(fut.result(timeout=self.args.timeout))
-
     def unregister(self) -> None:
-        if self.registered:
-            self.registered = False
+        if not self.registered:
+            return
+        self.registered = False
+        if self.rpc is None:
             self._call(self.RT.UNREGISTER_KV_CACHE, [self.instance_id])
+        else:
+            fut = self.ctx.unregister()
+            if fut is not None:
+                fut.result(timeout=self.args.request_timeout)
 
     def close(self) -> None:
         import gc
@@ -291,9 +379,16 @@ class LMCacheSide(Side):
             from lmcache.v1.multiprocess.posix_shm import shm_unlink
 
             for name in self.shm_names:
-                shm_unlink(name)
-        self.mq.close()
-        self.zctx.term()
+                try:
+                    shm_unlink(name)
+                except FileNotFoundError:
+                    pass
+        for client in (self.rpc, self.mq):
+            if client is not None:
+                client.close()
+        # term() would wait for unsent messages of sockets closed with the default
+        # linger: never block the run on that.
+        self.zctx.destroy(linger=0)
 
 
 def synchronize(args: argparse.Namespace) -> None:
@@ -303,27 +398,51 @@ def synchronize(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
 
 
-def run_side(side_name: str, args: argparse.Namespace, layout: Layout, seed: int) -> dict[str, Any]:
+def side_label(name: str) -> str:
+    return "LMCache" if name == "lmcache" else f"ours ({name})"
+
+
+class SideRun:
+    """One side's state, shared with the thread that runs it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.side: Side | None = None
+        self.res: dict[str, Any] = {
+            "side": side_label(name), "ok": False, "step": "starting", "register_ms": None,
+            "store_gbps": {}, "retrieve_gbps": {}, "store_s": {}, "retrieve_s": {},
+            "checks": [], "error": None}
+        self.thread: threading.Thread | None = None
+
+
+def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
+             fault: str | None) -> None:
+    """Run one side's flow, filling ``run.res`` as it goes. Unregisters at the end but
+    never frees the cache: the caller keeps it until the whole run is over."""
     import torch
 
-    res: dict[str, Any] = {"side": side_name, "ok": False, "register_ms": None,
-                           "store_gbps": {}, "retrieve_gbps": {}, "store_s": {},
-                           "retrieve_s": {}, "checks": [], "error": None}
+    res = run.res
     bytes_per_token = 2 * args.layers * args.heads * args.head_dim * 2  # K+V, bf16
     rng = random.Random(seed)
     side: Side | None = None
     try:
-        model = f"gpu-check-{side_name}-{seed}"
-        if side_name == "lmcache":
-            side = LMCacheSide(args, layout, model)
-        else:
-            side = OursSide(args, layout, side_name, model)
+        # Unique per run: a server that already holds these chunks would skip the STORE.
+        model = f"gpu-check-{run.name}-{os.getpid()}-{time.time_ns() % 10**9}"
+        res["step"] = "connect and allocate"
+        side = LMCacheSide(args, layout, model) if run.name == "lmcache" else OursSide(
+            args, layout, run.name, model)
+        run.side = side
         res["side"] = side.name
         dev = side.layers[0].device
         for t in side.layers:
             bits = t.view(torch.int16)
             bits.copy_(torch.randint(-32768, 32768, bits.shape, dtype=torch.int16, device=dev))
         synchronize(args)
+        res["step"] = "register"
+        if fault == "fail":
+            raise RuntimeError("GPU_CHECK_FAULT: injected failure")
+        if fault == "hang":
+            threading.Event().wait()  # GPU_CHECK_FAULT: a side that never returns
         res["register_ms"] = side.register() * 1e3
         ok = True
         for size in args.sizes:
@@ -341,13 +460,16 @@ def run_side(side_name: str, args: argparse.Namespace, layout: Layout, seed: int
                     t[:, dst_i] = 0
                 snapshot = [t.view(torch.int16).clone() for t in side.layers]
                 synchronize(args)
+                res["step"] = f"store {size} tokens (rep {rep})"
                 start = time.perf_counter()
                 if not side.store(tokens, size, src, rid):
                     raise RuntimeError(f"STORE of {size} tokens answered ok=false")
                 stores.append(time.perf_counter() - start)
+                res["step"] = f"lookup {size} tokens (rep {rep})"
                 hits = side.wait_visible(tokens, size, rid)
                 if hits * side.chunk < size:
                     raise RuntimeError(f"LOOKUP saw {hits} chunks of {size} tokens")
+                res["step"] = f"retrieve {size} tokens (rep {rep})"
                 start = time.perf_counter()
                 if not side.retrieve(tokens, size, dst, rid):
                     raise RuntimeError(f"RETRIEVE of {size} tokens answered ok=false")
@@ -369,24 +491,53 @@ def run_side(side_name: str, args: argparse.Namespace, layout: Layout, seed: int
             res.setdefault("store_gbps_median", {})[size] = moved / statistics.median(stores) / 1e9
             res.setdefault("retrieve_gbps_median", {})[size] = (
                 moved / statistics.median(retrieves) / 1e9)
+        res["step"] = "unregister"
         side.unregister()
         res["ok"] = ok
+        res["step"] = "done"
         if not ok:
             res["error"] = "data mismatch (see checks)"
-    except Exception as exc:
-        res["error"] = f"{type(exc).__name__}: {exc}"
+    except BaseException as exc:
+        res["error"] = f"{type(exc).__name__}: {exc} (at step: {res['step']})"
         res["traceback"] = traceback.format_exc()
-    finally:
         if side is not None:
             try:
                 side.unregister()
             except Exception:
                 pass
-            try:
-                side.close()
-            except Exception as exc:
-                res.setdefault("close_error", repr(exc))
-    return res
+
+
+def _call_with_timeout(fn: Any, seconds: float) -> str | None:
+    """Run ``fn`` in a daemon thread; an error message, "timed out", or None."""
+    box: list[str | None] = ["timed out"]
+
+    def target() -> None:
+        try:
+            fn()
+            box[0] = None
+        except Exception as exc:
+            box[0] = repr(exc)
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    return box[0]
+
+
+def unlink_own_segments() -> None:
+    """Remove the SHM names this process made (CPU dry run: our CpuKVCaches'
+    ``lmcache_mp_<pid>_*``, LMCache's migrated tensors' ``lmcache_kv_<pid>_*``):
+    os._exit skips finalizers, and a hung side is never closed."""
+    prefixes = (f"lmcache_mp_{os.getpid()}_", f"lmcache_kv_{os.getpid()}_")
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefixes)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
 
 
 def table(results: list[dict[str, Any]], sizes: list[int]) -> str:
@@ -396,9 +547,15 @@ def table(results: list[dict[str, Any]], sizes: list[int]) -> str:
         v = r.get(key) if size is None else r.get(key, {}).get(size)
         return "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
 
+    def verdict(r: dict[str, Any]) -> str:
+        if r.get("skipped"):
+            return "skipped"
+        if r["ok"]:
+            return "yes"
+        return "HUNG" if r.get("hung") else "CUT" if r.get("interrupted") else "NO"
+
     rows = [["", *(r["side"] for r in results)]]
-    rows.append(["round trip ok", *("skipped" if r.get("skipped") else
-                                    "yes" if r["ok"] else "NO" for r in results)])
+    rows.append(["round trip ok", *(verdict(r) for r in results)])
     rows.append(["register ms", *(cell(r, "register_ms") for r in results)])
     for size in sizes:
         rows.append([f"store GB/s {size} tok", *(cell(r, "store_gbps", size) for r in results)])
@@ -409,6 +566,38 @@ def table(results: list[dict[str, Any]], sizes: list[int]) -> str:
              for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
+
+
+class Report:
+    """The results document, rewritten (atomically) after every change."""
+
+    def __init__(self, args: argparse.Namespace, env: dict[str, Any]) -> None:
+        self.args, self.env = args, env
+        self.results: list[dict[str, Any]] = []
+        self.running: str | None = None
+        self.state = "running"
+        # Re-entrant: the SIGTERM handler writes from the main thread, maybe mid-write.
+        self.lock = threading.RLock()
+
+    def doc(self) -> dict[str, Any]:
+        title = ("CPU DRY RUN (no CUDA involved)" if self.args.cpu_dry_run
+                 else self.env.get("gpu", "GPU"))
+        head = (f"LMCache {self.args.release}, {title}: {self.args.layers} layers x "
+                f"{self.args.heads} heads x {self.args.head_dim} dim, bf16, block "
+                f"{self.args.block_size}, best of {self.args.reps}")
+        rows = [{k: v for k, v in r.items() if k != "traceback"} for r in self.results]
+        return {"release": self.args.release, "state": self.state, "running": self.running,
+                "env": self.env, "args": vars(self.args), "results": self.results,
+                "title": head, "table": table(rows, self.args.sizes) if rows else ""}
+
+    def write(self) -> None:
+        if not self.args.out:
+            return
+        with self.lock:
+            path = Path(self.args.out)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(self.doc(), indent=1, default=str))
+            os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,44 +613,89 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     env: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
-                           "cpu_dry_run": args.cpu_dry_run}
+                           "cpu_dry_run": args.cpu_dry_run, "pid": os.getpid()}
     if not args.cpu_dry_run:
         env["gpu"] = torch.cuda.get_device_name(0)
-        try:
-            import cuda.bindings as cb
+    try:
+        import cuda.bindings as cb
 
-            env["cuda_bindings"] = cb.__version__
-        except ImportError:
-            pass
+        env["cuda_bindings"] = cb.__version__
+    except ImportError:
+        pass
+    report = Report(args, env)
+
+    def on_term(signum: int, frame: Any) -> None:
+        report.state = f"interrupted by signal {signum} while running {report.running}"
+        for r in report.results:
+            if not r.get("ok") and not r.get("skipped") and r.get("error") is None:
+                r.update(interrupted=True, error=f"cut short by signal {signum} at step "
+                                                 f"{r.get('step')!r}")
+        report.write()
+        unlink_own_segments()
+        print(f"gpu_check: {report.state}", file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    report.write()
     layout = Layout(args.sizes, args.block_size)
-    results: list[dict[str, Any]] = []
-    for i, side in enumerate(args.sides):
-        blocker = raw_wrapper_blocker() if side == "raw" and not args.cpu_dry_run else None
-        if args.cpu_dry_run and side == "torch_ipc":
-            blocker = "CPU dry run: the wrapper form only matters on GPU"
-        if blocker:
-            results.append({"side": f"ours ({side})", "ok": False, "skipped": blocker})
-            print(f"gpu_check: {side}: skipped: {blocker}", flush=True)
+    injected = faults()
+    runs: list[SideRun] = []
+    for i, name in enumerate(args.sides):
+        left = args.deadline - time.time() if args.deadline else float("inf")
+        if left < MIN_SIDE_SECONDS:
+            report.results.append({"side": side_label(name), "ok": False,
+                                   "skipped": f"no time left ({left:.0f} s)"})
+            report.write()
             continue
+        blocker = None
+        if name == "raw" and not args.cpu_dry_run:
+            blocker = raw_wrapper_blocker(args.release)
+        if blocker:
+            report.results.append({"side": side_label(name), "ok": False, "skipped": blocker})
+            print(f"gpu_check: {name}: skipped: {blocker}", flush=True)
+            report.write()
+            continue
+        run = SideRun(name)
+        runs.append(run)
+        report.running = name
+        report.results.append(run.res)
+        report.write()
         started = time.perf_counter()
-        r = run_side(side, args, layout, seed=1000 + i)
-        r["wall_s"] = time.perf_counter() - started
-        results.append(r)
-        status = "ok" if r["ok"] else f"FAILED: {r['error']}"
-        print(f"gpu_check: {r['side']}: {status} ({r['wall_s']:.1f} s)", flush=True)
-        if not r["ok"] and r.get("traceback"):
-            print(r["traceback"], file=sys.stderr, flush=True)
-    title = "CPU DRY RUN (no CUDA involved)" if args.cpu_dry_run else env.get("gpu", "GPU")
-    print(f"\n{title}: {args.layers} layers x {args.heads} heads x {args.head_dim} dim, bf16, "
-          f"block {args.block_size}, best of {args.reps}\n")
-    print(table(results, args.sizes))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"env": env, "args": vars(args),
-                                              "results": results}, indent=1, default=str))
-    ran = [r for r in results if not r.get("skipped")]
+        run.thread = threading.Thread(target=run_side, daemon=True,
+                                      args=(run, args, layout, 1000 + i, injected.get(name)))
+        run.thread.start()
+        run.thread.join(max(1.0, min(args.side_timeout, left - 5)))
+        run.res["wall_s"] = time.perf_counter() - started
+        if run.thread.is_alive():
+            run.res.update(ok=False, hung=True, error=(
+                f"no result after {run.res['wall_s']:.0f} s: hung at step "
+                f"{run.res['step']!r}; abandoned, its cache kept until the run ends"))
+        status = "ok" if run.res["ok"] else f"FAILED: {run.res['error']}"
+        print(f"gpu_check: {run.res['side']}: {status} ({run.res['wall_s']:.1f} s)", flush=True)
+        if not run.res["ok"] and run.res.get("traceback"):
+            print(run.res["traceback"], file=sys.stderr, flush=True)
+        report.running = None
+        report.write()
+    # Only now, every side done: free the caches and close the clients, never waiting
+    # long on any of them (a hung side's objects are left alone).
+    for run in runs:
+        if run.side is not None and run.thread is not None and not run.thread.is_alive():
+            err = _call_with_timeout(run.side.close, 10.0)
+            if err:
+                run.res["close_error"] = err
+    report.state = "done"
+    report.write()
+    unlink_own_segments()
+    doc = report.doc()
+    print(f"\n{doc['title']}\n")
+    print(doc["table"], flush=True)
+    ran = [r for r in report.results if not r.get("skipped")]
     return 0 if ran and all(r["ok"] for r in ran) else 1
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # never wait on a hung side's thread or a zmq context at exit

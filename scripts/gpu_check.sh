@@ -1,221 +1,418 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (see ../shared/reference/gpu-device-notes.md):
-# install the carried wheels, start the real LMCache 0.5.3 MP server in GPU mode, run
-# the GPU round trip (scripts/gpu_check.py: ours vs LMCache's own client), the doctor and
-# the live CUDA tests, stop the server, print one short table. Logs go to $OUT.
+# install the carried wheels, then for each LMCache release (0.5.3 and 0.5.6) start its
+# real MP server in GPU mode, run the GPU round trip (scripts/gpu_check.py: our wrapper
+# forms vs LMCache's own client) and the doctor, stop it; then the CUDA tests. One short
+# table at the end.
 #
 # Here, first:  scripts/fetch_gpu_wheels.sh         (fills the git-ignored .whl/)
-# On the GPU:   device run, carry [".whl"], command "bash scripts/gpu_check.sh"
+# On the GPU:   device run, carry [".whl"], timeout_s 600, command "bash scripts/gpu_check.sh"
+#
+# A lent device's run must never be lost, so this script:
+# * never stops at a failed step: each is recorded (ok / FAIL / skip) and the run goes on;
+# * rewrites $OUT/summary.txt and $OUT/summary.json after every step, and once more from
+#   an EXIT trap (SIGTERM / SIGINT included), so a table exists even if it is cut short;
+# * gives every step a time limit inside one budget (GPU_CHECK_BUDGET, default 540 s,
+#   under the device's 600 s per call), skipping what no longer fits;
+# * stops every server it started, whatever happened;
+# * keeps $OUT to at most 8 files (what the device tool brings back): summary.txt,
+#   summary.json, run.log (every step's output), server-<release>.log and
+#   results-<release>.json (written by gpu_check.py after every side).
 #
 # Environment (all optional):
-#   OUT                   where logs go (default /tmp/gpu_check_out)
+#   OUT                   where results go (default /tmp/gpu_check_out)
 #   GPU_CHECK_PYTHON      interpreter (default: /opt/torch/.venv/bin/python3, else python3)
-#   GPU_CHECK_BUDGET      seconds for the whole run (default 450); steps are cut to fit
-#   GPU_CHECK_PORT        server port (default 5555)
-#   GPU_CHECK_SKIP_INSTALL=1  use the interpreter's own lmcache (no .whl/ install)
-#   GPU_CHECK_DRY_RUN=1   a machine without a GPU: accept a CPU-mode server and run
-#                         gpu_check.py --cpu-dry-run (checks this script, proves no CUDA)
+#   GPU_CHECK_PYTHON_0_5_3, GPU_CHECK_PYTHON_0_5_6  interpreter for one release's server
+#                         and round trip (dry runs: the oracle venvs)
+#   GPU_CHECK_TEST_PYTHON interpreter for the pytest step (default: GPU_CHECK_PYTHON)
+#   GPU_CHECK_RELEASES    default "0.5.3 0.5.6"
+#   GPU_CHECK_BUDGET      seconds for the whole run (default 540); GPU_CHECK_RESERVE (20)
+#                         of them are kept for stopping servers and the summary
+#   GPU_CHECK_PORT        first server port (default 5555; one port per release)
+#   GPU_CHECK_REQUEST_TIMEOUT  per request, seconds (default 20)
+#   GPU_CHECK_SIDE_TIMEOUT     a round-trip side running longer is abandoned (default 60)
+#   GPU_CHECK_SKIP_INSTALL=1   use the interpreters' own packages (no .whl/ install)
+#   GPU_CHECK_SKIP_PYTEST=1    no pytest step
+#   GPU_CHECK_DRY_RUN=1   a machine without a GPU: accept CPU-mode servers and run
+#                         gpu_check.py --cpu-dry-run (rehearses this script, proves no CUDA)
+#   GPU_CHECK_FAULT       provoked failures, for the rehearsal tests: server-start:REL,
+#                         hang:SIDE / fail:SIDE (passed on to gpu_check.py)
 #
-# Exit status: 0 every round trip byte-exact, 1 something failed, 2 not set up.
-set -uo pipefail
+# Exit status: 0 every step passed, 1 something failed or was skipped for lack of time,
+# 128+N killed by signal N (the summary is written all the same).
+set -uo pipefail # never -e: a failed step is recorded and the run goes on
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$repo"
+cd "$repo" || exit 2
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT"
-budget=${GPU_CHECK_BUDGET:-450}
-port=${GPU_CHECK_PORT:-5555}
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+budget=${GPU_CHECK_BUDGET:-540}
+reserve=${GPU_CHECK_RESERVE:-20}
+base_port=${GPU_CHECK_PORT:-5555}
 dry=${GPU_CHECK_DRY_RUN:-0}
+read -r -a releases <<<"${GPU_CHECK_RELEASES:-0.5.3 0.5.6}"
+req_timeout=${GPU_CHECK_REQUEST_TIMEOUT:-20}
+side_timeout=${GPU_CHECK_SIDE_TIMEOUT:-60}
+fault=${GPU_CHECK_FAULT:-}
+site=${GPU_CHECK_SITE:-/tmp/gpu_check_site}
 py=${GPU_CHECK_PYTHON:-}
 if [ -z "$py" ]; then
   if [ -x /opt/torch/.venv/bin/python3 ]; then py=/opt/torch/.venv/bin/python3; else py=python3; fi
 fi
-status=0
-summary=()
-server_pid=
+test_py=${GPU_CHECK_TEST_PYTHON:-$py}
 
-log() { echo "[gpu_check $(printf '%4d' "$SECONDS")s] $*"; }
-note() { summary+=("$1|$2"); log "$1: $2"; }
-failed() { status=1; note "$1" "FAIL: $2"; }
-left() {  # seconds left for a step: min(wanted, budget - elapsed - reserve)
-  local want=$1 rest=$((budget - SECONDS - 20))
-  [ "$rest" -lt "$want" ] && want=$rest
-  [ "$want" -lt 5 ] && want=5
+steps=()          # "name|status|seconds|detail", in order
+failed=0
+incomplete=0      # a step was skipped for lack of time
+interrupted=""
+finished=0
+current=""        # the step running now
+step_pid=""
+declare -A server_pid=() rel_path=()
+: >"$OUT/run.log"
+
+log() { echo "[gpu_check $(printf '%4d' "$SECONDS")s] $*" | tee -a "$OUT/run.log"; }
+
+left() {  # seconds a step may take: min(wanted, budget - elapsed - reserve)
+  local want=$1 rest=$((budget - SECONDS - reserve))
+  ((rest < want)) && want=$rest
   echo "$want"
 }
 
-stop_server() {
-  [ -n "$server_pid" ] || return 0
-  if kill -0 "$server_pid" 2>/dev/null; then
-    kill -TERM "$server_pid" 2>/dev/null
-    for _ in $(seq 1 40); do kill -0 "$server_pid" 2>/dev/null || break; sleep 0.5; done
-    # SIGKILL leaves the server's 1 GiB+ L1 segment behind: remove it by its pid.
-    if kill -0 "$server_pid" 2>/dev/null; then
-      kill -KILL "$server_pid" 2>/dev/null
-      log "server did not stop on SIGTERM; killed"
+json_str() {  # a JSON string literal
+  local s=$1
+  s=${s//\\/\\\\}; s=${s//\"/\\\"}; s=${s//$'\t'/ }; s=${s//$'\r'/ }; s=${s//$'\n'/\\n}
+  printf '"%s"' "$(printf '%s' "$s" | tr -d '\000-\010\013\014\016-\037')"
+}
+
+json_field() {  # the value of a top-level string field of gpu_check.py's JSON, unescaped
+  local v
+  v=$(grep -m1 "^ \"$1\": \"" "$2" 2>/dev/null | sed "s/^ \"$1\": \"//; s/\",\{0,1\}\$//") || return 0
+  printf '%b' "${v//\\\"/\"}"
+}
+
+write_summary() {  # summary.txt and summary.json from what is known now (atomic)
+  local state result elapsed=$SECONDS row name st secs detail first=1 rel f
+  if [ -n "$interrupted" ]; then state="INTERRUPTED by $interrupted"
+  elif ((finished)); then state="FINISHED"
+  elif ((${#steps[@]})); then state="RUNNING (written after: ${steps[${#steps[@]}-1]%%|*})"
+  else state="RUNNING (starting)"; fi
+  if ((failed)); then result=FAILED
+  elif ((finished)) && [ -z "$interrupted" ] && ((!incomplete)); then result=OK
+  else result=INCOMPLETE; fi
+  {
+    echo "=== gpu_check $state: $elapsed s of a $budget s budget$([ "$dry" = 1 ] && echo ', CPU DRY RUN (no CUDA involved)') ==="
+    for rel in "${releases[@]}"; do
+      f="$OUT/results-$rel.json"
+      [ -s "$f" ] || continue
+      echo
+      echo "$(json_field title "$f") [$(json_field state "$f")]"
+      json_field table "$f"
+      echo
+    done
+    echo
+    printf '  %-28s %-6s %5s  %s\n' step status secs detail
+    for row in "${steps[@]+"${steps[@]}"}"; do
+      IFS='|' read -r name st secs detail <<<"$row"
+      printf '  %-28s %-6s %5s  %s\n' "$name" "$st" "$secs" "$detail"
+    done
+    [ -n "$current" ] && printf '  %-28s %-6s %5s  %s\n' "$current" "..." "" "running when this was written"
+    echo "  result: $result"
+    echo "  files in $OUT: $(cd "$OUT" && ls | grep -v '\.tmp$' | tr '\n' ' ')"
+  } >"$OUT/summary.txt.tmp"
+  mv -f "$OUT/summary.txt.tmp" "$OUT/summary.txt"
+  {
+    printf '{"state": %s, "result": %s, "elapsed_s": %d, "budget_s": %d, "dry_run": %s,\n' \
+      "$(json_str "$state")" "$(json_str "$result")" "$elapsed" "$budget" \
+      "$([ "$dry" = 1 ] && echo true || echo false)"
+    printf ' "work_dir": %s, "running": %s,\n "steps": [' "$(json_str "$work")" "$(json_str "$current")"
+    for row in "${steps[@]+"${steps[@]}"}"; do
+      IFS='|' read -r name st secs detail <<<"$row"
+      ((first)) || printf ','
+      first=0
+      printf '\n  {"name": %s, "status": %s, "seconds": %s, "detail": %s}' "$(json_str "$name")" \
+        "$(json_str "$st")" "${secs:-null}" "$(json_str "$detail")"
+    done
+    printf '\n ]}\n'
+  } >"$OUT/summary.json.tmp"
+  mv -f "$OUT/summary.json.tmp" "$OUT/summary.json"
+}
+
+record() {  # name status detail [seconds]
+  local detail=${3//|//}
+  detail=${detail//$'\n'/ }
+  steps+=("$1|$2|${4:-}|${detail:0:300}")
+  [ "$2" = FAIL ] && failed=1
+  [ "$2" = skip ] && [[ "$detail" == "no time left"* ]] && incomplete=1
+  log "$1: $2${detail:+: $detail}"
+  write_summary
+}
+
+run_step() {  # name seconds command...: run with a time limit, output into run.log
+  local name=$1 t=$2 rc
+  shift 2
+  # timeout 0 would mean no limit at all.
+  if ((t < 1)); then echo "===== $name: no time left" >>"$OUT/run.log"; : >"$work/step.log"; return 124; fi
+  current=$name
+  write_summary
+  echo "===== $name (limit ${t}s)" >>"$OUT/run.log"
+  # In the background so that a signal reaches our trap at once (wait is interruptible).
+  timeout -k 5 "$t" "$@" >"$work/step.log" 2>&1 </dev/null &
+  step_pid=$!
+  wait "$step_pid"
+  rc=$?
+  step_pid=""
+  current=""
+  cat "$work/step.log" >>"$OUT/run.log"
+  return "$rc"
+}
+
+rc_detail() {  # why a step's command failed
+  case $1 in
+    124) echo "timed out after ${2}s" ;;
+    137) echo "killed after ${2}s" ;;
+    *) echo "exit $1" ;;
+  esac
+}
+
+stop_server() {  # rel
+  local rel=$1 pid=${server_pid[$1]:-} i
+  [ -n "$pid" ] || return 0
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null
+    for i in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+    if kill -0 "$pid" 2>/dev/null; then
+      kill -KILL "$pid" 2>/dev/null
+      log "server $rel did not stop on SIGTERM; killed"
     fi
   fi
-  rm -f "/dev/shm/lmcache_l1_pool_$server_pid"
-  server_pid=
+  wait "$pid" 2>/dev/null
+  # SIGKILL leaves the server's L1 segment behind: remove it by its pid.
+  rm -f "/dev/shm/lmcache_l1_pool_$pid"
+  unset "server_pid[$rel]"
 }
-trap stop_server EXIT
 
-# Install wheels into a --target folder, without network or dependencies. Without pip in
-# the interpreter, unzip them: none of the carried wheels has a .data folder or scripts,
-# so that is the same thing for imports.
-install_wheels() {  # target, wheels...
-  local target=$1; shift
+on_signal() {  # name exit-code
+  interrupted=$1
+  [ -n "$step_pid" ] && kill -TERM "$step_pid" 2>/dev/null
+  exit "$2"
+}
+
+finish() {
+  local rc=$? rel
+  trap '' TERM INT
+  if [ -n "$step_pid" ]; then
+    kill -TERM "$step_pid" 2>/dev/null
+    wait "$step_pid" 2>/dev/null
+    cat "$work/step.log" >>"$OUT/run.log" 2>/dev/null
+  fi
+  if [ -n "$current" ]; then
+    local name=$current
+    current=""
+    record "$name" FAIL "interrupted (${interrupted:-exit $rc})"
+  fi
+  for rel in "${!server_pid[@]}"; do stop_server "$rel"; done
+  finished=1
+  write_summary
+  cat "$OUT/summary.txt"
+  rm -rf "$work"
+  if [ -n "$interrupted" ]; then exit "$rc"; fi
+  exit $((failed || incomplete))
+}
+trap finish EXIT
+trap 'on_signal SIGTERM 143' TERM
+trap 'on_signal SIGINT 130' INT
+log "OUT=$OUT work=$work budget=${budget}s releases=${releases[*]} python=$py dry_run=$dry"
+write_summary
+
+# ------------------------------------------------------------ environment
+env_probe() {  # python: what the device has (never fails the run)
+  local p=$1
+  date -u; uname -a
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv
+  df -h /dev/shm
+  "$p" -c 'import sys, torch, numpy; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available()); print("numpy", numpy.__version__)'
+  "$p" -c 'import cupy; print("cupy", cupy.__version__)'
+  "$p" -c 'import cuda.bindings as cb; from cuda.bindings import runtime as rt; print("cuda-bindings", cb.__version__, "reserved", hasattr(rt.cudaIpcMemHandle_t(), "reserved"))'
+  "$p" -c 'import pytest; print("pytest", pytest.__version__)'
+  return 0
+}
+export -f env_probe
+t0=$SECONDS
+run_step env "$(left 30)" bash -c 'env_probe "$1"' _ "$py"
+record env ok "see run.log" $((SECONDS - t0))
+
+# ------------------------------------------------------------------ wheels
+install_wheels() {  # target wheels...: no network, no dependencies; unzip without pip
+  local target=$1
+  shift
   if "$py" -m pip --version >/dev/null 2>&1; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$target" "$@"
   else
-    "$py" - "$target" "$@" <<'PYEOF'
-import sys, zipfile
-target, wheels = sys.argv[1], sys.argv[2:]
-for wheel in wheels:
-    with zipfile.ZipFile(wheel) as z:
-        z.extractall(target)
-print(f"unzipped {len(wheels)} wheels into {target} (no pip here)")
-PYEOF
+    "$py" -c 'import sys, zipfile
+for w in sys.argv[2:]:
+    zipfile.ZipFile(w).extractall(sys.argv[1])' "$target" "$@"
   fi
 }
 
-# ------------------------------------------------------------ environment
-{
-  date -u; uname -a
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv
-  df -h /dev/shm
-  "$py" -c 'import sys, torch, numpy; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available()); print("numpy", numpy.__version__)'
-  "$py" -c 'import cupy; print("cupy", cupy.__version__)'
-  "$py" -c 'import cuda.bindings as cb; from cuda.bindings import runtime as rt; print("cuda-bindings", cb.__version__, "reserved", hasattr(rt.cudaIpcMemHandle_t(), "reserved"))'
-  "$py" -c 'import numba; print("numba", numba.__version__)'
-  "$py" -c 'import pytest; print("pytest", pytest.__version__)'
-} >"$OUT/env.txt" 2>&1
-log "python: $py; environment in $OUT/env.txt"
-
-# ------------------------------------------------------------------ wheels
-site=/tmp/site
-server_path=${PYTHONPATH:-}
-if [ "${GPU_CHECK_SKIP_INSTALL:-0}" != 1 ]; then
-  n=$(find .whl -maxdepth 1 -type f -name '*.whl' 2>/dev/null | wc -l)
-  if [ "$n" -lt 9 ]; then
-    log "FAIL: .whl/ holds $n wheels: run scripts/fetch_gpu_wheels.sh on a networked machine and carry .whl"
-    exit 2
-  fi
-  if ! install_wheels "$site" .whl/*.whl >"$OUT/pip.txt" 2>&1; then
-    cat "$OUT/pip.txt"; log "FAIL: installing the carried wheels"; exit 2
-  fi
-  server_path=$site${server_path:+:$server_path}
-  note "wheels" "$n installed into $site"
-fi
-test_path=$server_path
-
-# LMCache 0.5.3's RawCudaIPCWrapper.to_tensor assigns cudaIpcMemHandle_t.reserved, gone
-# from cuda-bindings 13.4 on: give the server (and gpu_check.py, same environment) the
-# carried 13.3.1 then. The pytest run keeps the device's own bindings, so our exporter
-# is tested against them too.
-cb_info=$(PYTHONPATH=$server_path "$py" -c 'import cuda.bindings as cb; from cuda.bindings import runtime as rt; print(cb.__version__, hasattr(rt.cudaIpcMemHandle_t(), "reserved"))' 2>&1 | tail -1)
-note "cuda-bindings" "$cb_info"
-if [[ "$cb_info" == *" False" ]]; then
-  fallback=$(find .whl/extra -maxdepth 1 -name 'cuda_bindings-13.3.*.whl' 2>/dev/null | head -1)
-  if [ -n "$fallback" ] && install_wheels /tmp/site_cb "$fallback" >>"$OUT/pip.txt" 2>&1; then
-    server_path=/tmp/site_cb:$server_path
-    cb_info=$(PYTHONPATH=$server_path "$py" -c 'import cuda.bindings as cb; from cuda.bindings import runtime as rt; print(cb.__version__, hasattr(rt.cudaIpcMemHandle_t(), "reserved"))' 2>&1 | tail -1)
-    note "server cuda-bindings" "$cb_info (carried fallback for RawCudaIPCWrapper)"
+cb_fallback=""
+if [ "${GPU_CHECK_SKIP_INSTALL:-0}" = 1 ]; then
+  for rel in "${releases[@]}"; do rel_path[$rel]=${PYTHONPATH:-}; done
+  record wheels skip "GPU_CHECK_SKIP_INSTALL=1: the interpreters' own packages"
+else
+  t0=$SECONDS
+  n=$(find .whl/common -maxdepth 1 -name '*.whl' 2>/dev/null | wc -l)
+  if ((n < 8)); then
+    record wheels FAIL ".whl/common holds $n wheels: run scripts/fetch_gpu_wheels.sh here and carry .whl"
+  elif install_wheels "$site/common" .whl/common/*.whl >>"$OUT/run.log" 2>&1; then
+    record wheels ok "$n common wheels into $site/common" $((SECONDS - t0))
   else
-    note "server cuda-bindings" "no fallback carried: the raw wrapper side will be skipped"
+    record wheels FAIL "installing .whl/common failed (see run.log)" $((SECONDS - t0))
   fi
-fi
-if ! PYTHONPATH=$test_path "$py" -c 'import pytest' 2>/dev/null; then
-  if ls .whl/extra/pytest-*.whl >/dev/null 2>&1 && install_wheels /tmp/site_test \
-      .whl/extra/pytest-*.whl .whl/extra/pluggy-*.whl .whl/extra/iniconfig-*.whl \
-      .whl/extra/packaging-*.whl .whl/extra/pygments-*.whl >>"$OUT/pip.txt" 2>&1; then
-    test_path=$test_path:/tmp/site_test
+  for rel in "${releases[@]}"; do
+    rel_path[$rel]=$site/$rel:$site/common
+    t0=$SECONDS
+    if ! ls .whl/"$rel"/lmcache-"$rel"-*.whl >/dev/null 2>&1; then
+      record "wheels $rel" FAIL ".whl/$rel has no lmcache $rel wheel: run scripts/fetch_gpu_wheels.sh"
+    elif install_wheels "$site/$rel" .whl/"$rel"/*.whl >>"$OUT/run.log" 2>&1; then
+      record "wheels $rel" ok "lmcache $rel into $site/$rel" $((SECONDS - t0))
+    else
+      record "wheels $rel" FAIL "installing lmcache $rel failed (see run.log)" $((SECONDS - t0))
+    fi
+  done
+  # LMCache 0.5.3's RawCudaIPCWrapper.to_tensor assigns cudaIpcMemHandle_t.reserved, gone
+  # from cuda-bindings 13.4: with newer device bindings, its server (and round trip) get
+  # the carried 13.3.1, so the raw form is tested at all. pytest keeps the device's own.
+  bindings=$("$py" -c 'import cuda.bindings as cb; from cuda.bindings import runtime as rt; print(cb.__version__, hasattr(rt.cudaIpcMemHandle_t(), "reserved"))' 2>/dev/null)
+  wheel=$(find .whl/extra -maxdepth 1 -name 'cuda_bindings-13.3.*.whl' 2>/dev/null | head -1)
+  if [[ "$bindings" == *" False" ]] && [ -n "$wheel" ] && install_wheels "$site/cb133" "$wheel" >>"$OUT/run.log" 2>&1; then
+    cb_fallback=$site/cb133
+    record "cuda-bindings" ok "device: ${bindings% *} (no .reserved): the 0.5.3 server and its round trip get the carried 13.3.1"
+  else
+    record "cuda-bindings" ok "device: ${bindings:-none} (version, has .reserved); no fallback installed"
   fi
 fi
 
-# ------------------------------------------------------------------ server
-shm_free_gb=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
-l1=2
-[ "${shm_free_gb:-0}" -lt 4 ] && l1=1
-log "starting the LMCache server on port $port (L1 ${l1} GiB; /dev/shm free ${shm_free_gb:-?} GiB)"
-PYTHONPATH=$server_path LMCACHE_DISABLE_BANNER=1 LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 \
-  OMP_NUM_THREADS=4 "$py" -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port "$port" \
-  --l1-size-gb "$l1" --eviction-policy LRU --disable-observability >"$OUT/server.log" 2>&1 &
-server_pid=$!
-ready=0
-deadline=$((SECONDS + $(left 150)))
-while [ "$SECONDS" -lt "$deadline" ]; do
-  if grep -q "LMCache ZMQ cache server is running on" "$OUT/server.log"; then ready=1; break; fi
-  kill -0 "$server_pid" 2>/dev/null || break
-  sleep 0.5
+# ----------------------------------------------------------- per release
+port=$base_port
+for rel in "${releases[@]}"; do
+  var=GPU_CHECK_PYTHON_${rel//./_}
+  rpy=${!var:-$py}
+  path=${rel_path[$rel]}
+  if [ -n "$cb_fallback" ] && [[ "$rel" == 0.5.[34] ]]; then path=$cb_fallback:$path; fi
+
+  # -- server
+  t=$(left 120)
+  if ((t < 10)); then
+    record "server $rel" skip "no time left"
+    continue
+  fi
+  slog=$OUT/server-$rel.log
+  args=(--host 127.0.0.1 --port "$port" --l1-size-gb 1 --eviction-policy LRU --disable-observability)
+  [[ ",$fault," == *",server-start:$rel,"* ]] && args+=(--gpu-check-provoked-bad-flag)
+  t0=$SECONDS
+  PYTHONPATH=$path LMCACHE_DISABLE_BANNER=1 LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 \
+    OMP_NUM_THREADS=4 "$rpy" -m lmcache.v1.multiprocess.server "${args[@]}" >"$slog" 2>&1 </dev/null &
+  server_pid[$rel]=$!
+  echo "${server_pid[$rel]}" >"$work/server-$rel.pid"
+  current="server $rel"
+  ready=0
+  while ((SECONDS - t0 < t)); do
+    if grep -qi "cache server is running on" "$slog"; then ready=1; break; fi
+    kill -0 "${server_pid[$rel]}" 2>/dev/null || break
+    sleep 0.5
+  done
+  current=""
+  if ((!ready)); then
+    why="not ready after $((SECONDS - t0)) s"
+    kill -0 "${server_pid[$rel]}" 2>/dev/null || why="exited during start"
+    record "server $rel" FAIL "$why: $(grep -v '^\s*$' "$slog" | tail -1 | cut -c1-160)" $((SECONDS - t0))
+    stop_server "$rel"
+  else
+    record "server $rel" ok "ready after $((SECONDS - t0)) s (pid ${server_pid[$rel]}, port $port)" $((SECONDS - t0))
+    gpu=0
+    if grep -q "torch_device_type=cuda" "$slog"; then
+      gpu=1
+      record "mode $rel" ok "GPU (torch_device_type=cuda)"
+    elif [ "$dry" = 1 ]; then
+      record "mode $rel" ok "CPU (dry run)"
+    else
+      # A failed import of lmcache's cuda platform is swallowed: the server runs on CPU.
+      record "mode $rel" FAIL "CPU mode (no torch_device_type=cuda in server-$rel.log)"
+    fi
+
+    # -- round trip
+    # 200 s: three sides of at most 60 s, and the next release still gets its turn.
+    t=$(left 200)
+    if ((gpu == 0)) && [ "$dry" != 1 ]; then
+      record "round trip $rel" skip "the server is not in GPU mode"
+    elif ((t < 20)); then
+      record "round trip $rel" skip "no time left"
+    else
+      flags=()
+      [ "$dry" = 1 ] && flags=(--cpu-dry-run --layers 2 --heads 2 --head-dim 64 --reps 2)
+      t0=$SECONDS
+      run_step "round trip $rel" "$t" env PYTHONPATH="$path" GPU_CHECK_FAULT="$fault" \
+        "$rpy" scripts/gpu_check.py --url "tcp://127.0.0.1:$port" --release "$rel" \
+        --out "$OUT/results-$rel.json" --request-timeout "$req_timeout" \
+        --side-timeout "$side_timeout" --deadline $(($(date +%s) + t - 10)) "${flags[@]}"
+      rc=$?
+      sides=$(grep '^gpu_check: ' "$work/step.log" | sed 's/^gpu_check: //' | cut -c1-70 | paste -sd ';' -)
+      case $rc in
+        0) record "round trip $rel" ok "byte-exact on every side that ran: $sides" $((SECONDS - t0)) ;;
+        3) record "round trip $rel" FAIL "gpu_check.py found no GPU" $((SECONDS - t0)) ;;
+        *) record "round trip $rel" FAIL "$(rc_detail "$rc" "$t"): $sides" $((SECONDS - t0)) ;;
+      esac
+      kill -0 "${server_pid[$rel]}" 2>/dev/null || record "server $rel" FAIL "died during the round trip"
+    fi
+  fi
+
+  # -- doctor (also when the server failed: it reports what this machine can do)
+  t=$(left 30)
+  if ((t < 5)); then
+    record "doctor $rel" skip "no time left"
+  else
+    t0=$SECONDS
+    run_step "doctor $rel" "$t" env PYTHONPATH="$path:$repo" "$rpy" -c \
+      "import sys; from lmcache_mp.doctor import main_doctor; sys.exit(main_doctor('tcp://127.0.0.1:$port', 10.0))"
+    rc=$?
+    forms=$(grep -o 'CUDA wrapper forms.*' "$work/step.log" | tr -s ' ' | cut -c1-160)
+    server=$(grep -o '\] server .*' "$work/step.log" | cut -c3-160)
+    if ((rc == 0)); then record "doctor $rel" ok "${forms:-see run.log}" $((SECONDS - t0))
+    else record "doctor $rel" FAIL "$(rc_detail "$rc" "$t"): ${server:-see run.log}" $((SECONDS - t0)); fi
+  fi
+
+  # -- stop
+  if [ -n "${server_pid[$rel]:-}" ]; then
+    stop_server "$rel"
+    errors=$(grep -c "LMCache ERROR" "$slog")
+    # lmcache_mp's family detection sends one op id the release lacks (by design).
+    probes=$(grep -c "No handler registered for request type\|Available handlers:\|Invalid ZMQ operation identifier" "$slog")
+    record "stop $rel" ok "$errors ERROR lines in server-$rel.log ($probes from lmcache_mp's protocol-detection probe)"
+  fi
+  port=$((port + 1))
 done
-if [ "$ready" != 1 ]; then
-  tail -30 "$OUT/server.log"
-  log "FAIL: the server did not become ready (see $OUT/server.log)"
-  exit 1
-fi
-note "server ready" "after $SECONDS s (pid $server_pid)"
-if grep -q "torch_device_type=cuda" "$OUT/server.log"; then
-  note "server mode" "GPU (torch_device_type=cuda)"
-elif [ "$dry" = 1 ]; then
-  note "server mode" "CPU (dry run)"
+
+# ------------------------------------------------------------------ tests
+if [ "${GPU_CHECK_SKIP_PYTEST:-0}" = 1 ]; then
+  record pytest skip "GPU_CHECK_SKIP_PYTEST=1"
+elif ! "$test_py" -c 'import pytest' 2>/dev/null; then
+  record pytest skip "pytest is not installed for $test_py"
 else
-  grep -m3 "torch_device_type\|c_ops\|cuda" "$OUT/server.log"
-  log "FAIL: the server started in CPU mode (no torch_device_type=cuda in its log): a failed import of lmcache.v1.platform.cuda is swallowed; see $OUT/server.log"
-  exit 1
+  t=$(left 150)
+  if ((t < 20)); then
+    record pytest skip "no time left"
+  else
+    t0=$SECONDS
+    # The device's own cuda-bindings; live tests need the oracle venvs, absent there.
+    run_step pytest "$t" env PYTHONPATH="$site/common:$repo" LMCACHE_MP_SKIP_LIVE=1 \
+      "$test_py" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_live.py \
+      tests/test_cuda_events.py tests/test_cuda_exporter.py tests/test_codec_fixtures.py
+    rc=$?
+    line=$(grep -E "passed|failed|error" "$work/step.log" | tail -1)
+    if ((rc == 0)); then record pytest ok "$line" $((SECONDS - t0))
+    else record pytest FAIL "$(rc_detail "$rc" "$t"): $line" $((SECONDS - t0)); fi
+  fi
 fi
-
-# ---------------------------------------------------------------- round trip
-log "round trip: ours vs LMCache's client"
-dry_flag=()
-[ "$dry" = 1 ] && dry_flag=(--cpu-dry-run --layers 2 --heads 2 --head-dim 64 --reps 2)
-PYTHONPATH=$server_path timeout "$(left 240)" "$py" scripts/gpu_check.py \
-  --url "tcp://127.0.0.1:$port" --register-timeout 60 --out "$OUT/gpu_check.json" \
-  "${dry_flag[@]}" >"$OUT/gpu_check.log" 2>&1
-rc=$?
-cat "$OUT/gpu_check.log"
-case $rc in
-  0) note "round trip" "byte-exact on every side that ran" ;;
-  3) failed "round trip" "gpu_check.py found no GPU" ;;
-  124) failed "round trip" "timed out (see gpu_check.log, server.log)" ;;
-  *) failed "round trip" "exit $rc (see gpu_check.log, server.log)" ;;
-esac
-kill -0 "$server_pid" 2>/dev/null || failed "server" "died during the round trip"
-
-# ------------------------------------------------------------ doctor, tests
-PYTHONPATH=$test_path:$repo timeout "$(left 60)" "$py" -c "import sys; from lmcache_mp.doctor import main_doctor; sys.exit(main_doctor('tcp://127.0.0.1:$port', 10.0))" >"$OUT/doctor.txt" 2>&1
-rc=$?
-cat "$OUT/doctor.txt"
-[ "$rc" = 0 ] && note "doctor" "ok" || failed "doctor" "exit $rc"
-
-if PYTHONPATH=$test_path "$py" -c 'import pytest' 2>/dev/null; then
-  log "live CUDA tests (device's own cuda-bindings)"
-  PYTHONPATH=$test_path:$repo timeout "$(left 180)" "$py" -m pytest -q -rs -p no:cacheprovider \
-    tests/test_gpu_live.py tests/test_cuda_exporter.py >"$OUT/pytest.log" 2>&1
-  rc=$?
-  tail -15 "$OUT/pytest.log"
-  line=$(grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1)
-  [ "$rc" = 0 ] && note "pytest" "$line" || failed "pytest" "exit $rc: $line"
-else
-  note "pytest" "not run: pytest is not installed here and .whl/extra has none"
-fi
-
-# -------------------------------------------------------------------- end
-c_ops=$(grep -o "multi_layer_block_kv_transfer mode: [a-z]*" "$OUT/server.log" | head -1)
-note "server transfer" "${c_ops:-no transfer-mode line in the log}"
-grep -q "c_ops compiled extension not found" "$OUT/server.log" && note "server c_ops" "NOT loaded (torch fallbacks)"
-stop_server
-errors=$(grep -c "Traceback\|LMCache ERROR" "$OUT/server.log")
-note "server log" "$errors error lines (server.log)"
-
-{
-  echo
-  echo "=== gpu_check summary ($SECONDS s) ==="
-  [ -f "$OUT/gpu_check.log" ] && sed -n '/^|/p' "$OUT/gpu_check.log"
-  echo
-  for row in "${summary[@]}"; do printf '  %-22s %s\n' "${row%%|*}" "${row#*|}"; done
-  echo "  result                 $([ "$status" = 0 ] && echo OK || echo FAILED)"
-  echo "  logs                   $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
-} | tee "$OUT/summary.txt"
-exit "$status"

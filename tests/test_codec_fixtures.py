@@ -68,25 +68,81 @@ def test_replies_encoded_by_lmcache_decode(item: tuple[str, dict[str, Any]]) -> 
 
 
 WRAPPERS = load_all("wrappers")
+# fixture kind -> the CUDA wrapper form of lmcache_mp that must produce it
+CUDA_FORMS = {"cuda_raw": "raw", "cuda_ipc": "torch_ipc"}
 
 
-@pytest.mark.parametrize("item", WRAPPERS, ids=lambda i: f"{i[0]}-{i[1]['kind']}")
+def _record(case: dict[str, Any], form: str) -> LayerExport:
+    f = case["fields"]
+    shape, stride = tuple(f["shape"]), tuple(f["stride"])
+    if case["kind"] == "cpu_shm":
+        return ShmLayerExport(f["shm_name"], f["nbytes"], f["dtype"], shape, stride)
+    return CudaLayerExport(ipc_handle=bytes.fromhex(f["ipc_handle"]), nbytes=f["nbytes"],
+                           alloc_offset=f["alloc_offset"], dtype=f["dtype"], shape=shape,
+                           stride=stride, device_index=f.get("device_index", 0),
+                           device_uuid=f["device_uuid"], form=form)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_every_release_has_every_wrapper_kind(release: str) -> None:
+    kinds = {c["kind"] for c in load(release, "wrappers")}
+    assert kinds == {"cpu_shm", "cuda_raw", "cuda_ipc"}
+    # 0.5.5+ raw wrappers carry an offset; the fixtures must exercise one.
+    if release in ("0.5.5", "0.5.6"):
+        assert any(c["fields"].get("alloc_offset") for c in load(release, "wrappers")
+                   if c["kind"] == "cuda_raw")
+
+
+@pytest.mark.parametrize("item", WRAPPERS,
+                         ids=lambda i: f"{i[0]}-{i[1]['kind']}-{i[1]['fields'].get('alloc_offset', 0)}")
 def test_wrappers_are_byte_identical_to_the_release_serializer(
     item: tuple[str, dict[str, Any]],
 ) -> None:
-    """0.5.5: pickles (CPU SHM as 0.5.3, RawCudaIPCWrapper with _alloc_offset/_opens);
-    0.5.6: msgpack descriptors."""
+    """Every wrapper form, against the release's own DeviceIPCWrapper.Serialize:
+    pickles up to 0.5.5 (CPU SHM; RawCudaIPCWrapper, with _alloc_offset/_opens from
+    0.5.5; CudaIPCWrapper), msgpack descriptors in 0.5.6 (cpu_shm, cuda_raw, cuda)."""
     release, case = item
     profile = profile_for(release)
-    f = case["fields"]
-    shape, stride = tuple(f["shape"]), tuple(f["stride"])
-    record: LayerExport
-    if case["kind"] == "cpu_shm":
-        record = ShmLayerExport(f["shm_name"], f["nbytes"], f["dtype"], shape, stride)
-    else:
-        record = CudaLayerExport(ipc_handle=bytes.fromhex(f["ipc_handle"]), nbytes=f["nbytes"],
-                                 alloc_offset=f.get("alloc_offset", 0), dtype=f["dtype"],
-                                 shape=shape, stride=stride, device_index=0,
-                                 device_uuid=f["device_uuid"], form="raw")
-    (blob,) = profile.wrappers.encode([record], release)
+    form = CUDA_FORMS.get(case["kind"], "")
+    (blob,) = profile.wrappers.encode([_record(case, form)], release)
     assert blob.data.hex() == case["data"]
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_auto_form_is_the_profiles_default(release: str) -> None:
+    """wrapper='auto' gives exactly the bytes of the profile's default form (0.5.3:
+    torch_ipc, the CudaIPCWrapper; 0.5.5/0.5.6: raw)."""
+    profile = profile_for(release)
+    expected_default = "torch_ipc" if profile.name == "0.5.3" else "raw"
+    assert profile.wrappers.default_cuda_form == expected_default
+    case = next(c for c in load(release, "wrappers")
+                if CUDA_FORMS.get(c["kind"]) == expected_default)
+    (blob,) = profile.wrappers.encode([_record(case, "auto")], release)
+    assert blob.data.hex() == case["data"]
+
+
+EVENTS = load_all("events")
+
+
+@pytest.mark.parametrize("item", EVENTS, ids=lambda i: f"{i[0]}-{i[1]['kind']}")
+def test_non_cuda_event_replies_are_refused_accurately(item: tuple[str, dict[str, Any]]) -> None:
+    """A reply's event that is not a cudaIpcEventHandle_t, as the release encodes it: a
+    CPU server's stub, or an --isolated-ipc server's timeline semaphore (0.5.5+)."""
+    from lmcache_mp.errors import ProtocolMismatch
+    from lmcache_mp.ipc.cuda import UnsupportedServerEvent, check_server_event
+
+    release, case = item
+    data = bytes.fromhex(case["data"])
+    with pytest.raises(UnsupportedServerEvent) as info:
+        check_server_event(data)
+    assert isinstance(info.value, ProtocolMismatch)
+    if case["kind"] == "timeline_semaphore":
+        assert len(data) == 81 and "--isolated-ipc" in str(info.value)
+    else:
+        assert "not running in GPU mode" in str(info.value)
+
+
+def test_isolated_ipc_fixtures_exist_from_055() -> None:
+    kinds = {(rel, c["kind"]) for rel, c in EVENTS}
+    assert ("0.5.5", "timeline_semaphore") in kinds and ("0.5.6", "timeline_semaphore") in kinds
+    assert ("0.5.3", "timeline_semaphore") not in kinds

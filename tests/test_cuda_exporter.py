@@ -1,8 +1,9 @@
 """The CUDA exporter's logic, on machines without a GPU.
 
 Every CUDA call of lmcache_mp.ipc.cuda goes through a driver object; these tests pass a
-fake one that models allocations, pointer attributes, contexts and events, so the error
-paths and the event protocol are checked here. Real GPUs: tests/test_gpu_live.py and
+fake one (tests/fake_cuda.py) that models allocations, pointer attributes and contexts,
+so the export rules, the wrapper forms and the error paths are checked here (the event
+protocol: tests/test_cuda_events.py). Real GPUs: tests/test_gpu_live.py and
 scripts/gpu_check.sh.
 """
 
@@ -27,8 +28,6 @@ from lmcache_mp.ipc.cuda import (
     IPC_HANDLE_SIZE,
     CudaError,
     CudaKVCache,
-    DeviceInfo,
-    TransferEvent,
     export_allocation,
     handle_bytes,
     stream_handle,
@@ -36,155 +35,16 @@ from lmcache_mp.ipc.cuda import (
     uuid_bytes,
     write_handle_bytes,
 )
-from lmcache_mp.pickle_emitter import emit_raw_cuda_wrapper
+from lmcache_mp.pickle_emitter import emit_cuda_ipc_wrapper, emit_raw_cuda_wrapper
 from lmcache_mp.protocol import Profile, get_profile
 from lmcache_mp.protocol.types import WrapperBlob
+
+from .fake_cuda import UUID16, UUID_STR, FakeDriver
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = json.loads((REPO / "fixtures" / "v0.5.3" / "pickles.json").read_text())
 RAW_CASES = [c for c in FIXTURE["cases"] if c["template"] == "v0_5_3_raw_cuda"]
 PROFILE = get_profile("0.5.3")
-
-UUID16 = bytes.fromhex("1f2e3d4c5b6a7988a7b6c5d4e3f2a1b0")
-UUID_STR = "1f2e3d4c-5b6a-7988-a7b6-c5d4e3f2a1b0"
-
-
-# ------------------------------------------------------------- the fake driver
-class FakeDriver:
-    """A CudaDriver double: allocations on devices, per-thread context state, events.
-
-    ``kinds`` maps an allocation base to how it was made: "malloc" (legacy IPC ok),
-    "vmm" (cuMemCreate), "pool" (cudaMallocAsync), "host".
-    """
-
-    def __init__(self, devices: int = 1) -> None:
-        self.devices = devices
-        self.device = 0
-        self.context = 1  # a current context; 0 models a fresh thread
-        self.allocs: dict[int, tuple[int, int, str]] = {}  # base -> (size, device, kind)
-        self.freed: list[int] = []
-        self.next_ptr = 0x7F00_0000_0000
-        self.events: dict[int, dict[str, Any]] = {}
-        self.next_event = 1
-        self.calls: list[tuple[Any, ...]] = []
-        self.opened: dict[bytes, int] = {}  # server handle -> times opened
-        self.set_device_calls: list[int] = []
-
-    # versions / devices
-    def bindings_version(self) -> str:
-        return "fake"
-
-    def driver_version(self) -> int:
-        return 13000
-
-    def runtime_version(self) -> int:
-        return 13000
-
-    def device_count(self) -> int:
-        return self.devices
-
-    def device_info(self, device: int) -> DeviceInfo:
-        raw = bytes([device]) + UUID16[1:]
-        return DeviceInfo(device, f"Fake GPU {device}", torch_uuid_string(raw), 1 << 30, (9, 0))
-
-    def get_device(self) -> int:
-        return self.device
-
-    def set_device(self, device: int) -> None:
-        self.set_device_calls.append(device)
-        self.device = device
-        self.context = 100 + device
-
-    def current_context(self) -> int:
-        return self.context
-
-    # memory
-    def add_alloc(self, size: int, kind: str = "malloc", device: int | None = None) -> int:
-        base = self.next_ptr
-        self.next_ptr += (size + 0xFFFFF) & ~0xFFFFF
-        self.allocs[base] = (size, self.device if device is None else device, kind)
-        return base
-
-    def malloc(self, nbytes: int) -> int:
-        self.calls.append(("malloc", nbytes, self.device))
-        return self.add_alloc(nbytes)
-
-    def free(self, ptr: int) -> None:
-        assert ptr in self.allocs and ptr not in self.freed
-        self.calls.append(("free", ptr, self.device))
-        self.freed.append(ptr)
-
-    def memset(self, ptr: int, value: int, nbytes: int) -> None:
-        self.calls.append(("memset", ptr, value, nbytes))
-
-    def synchronize_device(self) -> None:
-        self.calls.append(("sync_device",))
-
-    def _find(self, ptr: int) -> tuple[int, int, int, str] | None:
-        for base, (size, dev, kind) in self.allocs.items():
-            if base <= ptr < base + size and base not in self.freed:
-                return base, size, dev, kind
-        return None
-
-    def address_range(self, ptr: int) -> tuple[int, int]:
-        found = self._find(ptr)
-        if found is None:
-            raise CudaError("cuMemGetAddressRange failed: CUDA_ERROR_NOT_FOUND", code=500)
-        return found[0], found[1]
-
-    def pointer_attribute(self, ptr: int, name: str) -> int | None:
-        found = self._find(ptr)
-        if found is None:
-            return None
-        _, _, dev, kind = found
-        return {
-            "MEMORY_TYPE": 1 if kind == "host" else 2,
-            "IS_LEGACY_CUDA_IPC_CAPABLE": int(kind == "malloc"),
-            "MEMPOOL_HANDLE": 0xABC if kind == "pool" else 0,
-            "IS_MANAGED": 0,
-            "DEVICE_ORDINAL": dev,
-        }.get(name)
-
-    def ipc_get_mem_handle(self, ptr: int) -> bytes:
-        assert ptr in self.allocs, "always exported at the base"
-        self.calls.append(("ipc_mem", ptr))
-        return ptr.to_bytes(8, "little") * 8
-
-    # events
-    def event_create_ipc(self) -> int:
-        ev = self.next_event
-        self.next_event += 1
-        self.events[ev] = {"kind": "ours", "destroyed": False, "recorded_on": None,
-                           "device": self.device}
-        return ev
-
-    def event_record(self, event: int, stream: int) -> None:
-        self.events[event]["recorded_on"] = stream
-
-    def ipc_get_event_handle(self, event: int) -> bytes:
-        return b"E" + event.to_bytes(8, "little") + bytes(IPC_HANDLE_SIZE - 9)
-
-    def ipc_open_event_handle(self, handle: bytes) -> int:
-        assert len(handle) == IPC_HANDLE_SIZE
-        self.opened[handle] = self.opened.get(handle, 0) + 1
-        ev = self.next_event
-        self.next_event += 1
-        self.events[ev] = {"kind": "opened", "handle": handle, "destroyed": False}
-        return ev
-
-    def stream_wait_event(self, stream: int, event: int) -> None:
-        assert not self.events[event]["destroyed"]
-        self.calls.append(("wait", stream, self.events[event].get("handle")))
-
-    def event_synchronize(self, event: int) -> None:
-        self.calls.append(("event_sync", self.events[event].get("handle")))
-
-    def event_destroy(self, event: int) -> None:
-        assert not self.events[event]["destroyed"], "destroyed twice"
-        self.events[event]["destroyed"] = True
-
-    def stream_synchronize(self, stream: int) -> None:
-        self.calls.append(("stream_sync", stream))
 
 
 def small_cache(drv: FakeDriver, **kw: Any) -> CudaKVCache:
@@ -192,10 +52,6 @@ def small_cache(drv: FakeDriver, **kw: Any) -> CudaKVCache:
                                 head_dim=64, dtype="bfloat16", driver=drv)
     args.update(kw)
     return CudaKVCache.allocate(**args)
-
-
-def server_handle(n: int) -> bytes:
-    return b"S" + bytes([n]) * (IPC_HANDLE_SIZE - 1)
 
 
 # ------------------------------------------------------------------- UUIDs
@@ -302,7 +158,7 @@ def test_stream_handle_forms() -> None:
             stream_handle(bad)
 
 
-# ----------------------------------------------------- the wrapper pickles
+# ----------------------------------------------------- the wrapper forms
 @pytest.mark.parametrize("case", [c for c in RAW_CASES if c["fields"]["storage_offset"] == 0],
                          ids=lambda c: f"raw_cuda-{RAW_CASES.index(c)}")
 def test_profile_wrap_cuda_is_byte_identical_to_lmcache(case: dict[str, Any]) -> None:
@@ -310,7 +166,7 @@ def test_profile_wrap_cuda_is_byte_identical_to_lmcache(case: dict[str, Any]) ->
     record = CudaLayerExport(
         ipc_handle=bytes.fromhex(f["_ipc_handle_reserved"]["$bytes"]), nbytes=f["_nbytes"],
         alloc_offset=0, dtype=f["dtype"], shape=tuple(f["shape"]), stride=tuple(f["stride"]),
-        device_index=0, device_uuid=f["device_uuid"])
+        device_index=0, device_uuid=f["device_uuid"], form="raw")
     (blob,) = PROFILE.wrappers.encode([record], "0.5.3")
     assert blob.data.hex() == case["pickle"]
 
@@ -319,42 +175,87 @@ def wrappers(cache: CudaKVCache, profile: Profile = PROFILE) -> list[WrapperBlob
     return profile.wrappers.encode(cache.export_layers(), profile.name)
 
 
-def test_cache_wrappers_are_raw_cuda_pickles() -> None:
+def test_auto_is_torch_ipc_on_053_because_raw_cannot_open_there() -> None:
     drv = FakeDriver()
     cache = small_cache(drv)
+    assert cache.wrapper_format == "auto"
     g = cache.geometry
     blobs = wrappers(cache)
     assert len(blobs) == g.num_layers
     for blob, exp in zip(blobs, cache.exports, strict=True):
-        expected = emit_raw_cuda_wrapper(
-            ipc_handle=exp.handle, nbytes=g.layer_nbytes, dtype="bfloat16", shape=g.layer_shape,
-            stride=g.layer_strides, device_uuid=cache.device_uuid)
+        expected = emit_cuda_ipc_wrapper(
+            handle=(0, exp.handle, g.layer_nbytes, 0, b"/lmcache_mp_no_refcounter_file", 0,
+                    bytes(64), False),
+            dtype="bfloat16", shape=g.layer_shape, stride=g.layer_strides,
+            device_uuid=cache.device_uuid)
         assert blob.data == expected
         text = _disassemble(blob.data)
-        assert "RawCudaIPCWrapper" in text and cache.device_uuid in text
+        assert "CudaIPCWrapper" in text and "RawCudaIPCWrapper" not in text
     assert cache.device_uuid == torch_uuid_string(b"\x00" + UUID16[1:])
     assert g.layer_shape == (2, 8, 2, 16, 64) and g.layer_nbytes == 2 * 8 * 2 * 16 * 64 * 2
     assert cache.kv_layout == "HND"
     assert small_cache(drv, mla=True, num_heads=1).kv_layout is None
 
 
-def test_torch_ipc_wrapper_form() -> None:
+def test_raw_form_on_053_is_the_raw_cuda_pickle() -> None:
     drv = FakeDriver()
-    cache = small_cache(drv, wrapper="torch_ipc")
-    blobs = wrappers(cache)
-    text = _disassemble(blobs[0].data)
-    assert "CudaIPCWrapper" in text and "RawCudaIPCWrapper" not in text
-    assert "lmcache_mp_no_refcounter" in text
-    with pytest.raises(InvalidArgument):
-        small_cache(drv, wrapper="cupy")  # type: ignore[arg-type]
+    cache = small_cache(drv, wrapper="raw")
+    g = cache.geometry
+    for blob, exp in zip(wrappers(cache), cache.exports, strict=True):
+        assert blob.data == emit_raw_cuda_wrapper(
+            ipc_handle=exp.handle, nbytes=g.layer_nbytes, dtype="bfloat16",
+            shape=g.layer_shape, stride=g.layer_strides, device_uuid=cache.device_uuid)
+        assert "RawCudaIPCWrapper" in _disassemble(blob.data)
 
 
-def test_torch_ipc_refused_by_other_profiles() -> None:
+@pytest.mark.parametrize("release, auto_marker", [
+    ("0.5.3", b"CudaIPCWrapper"), ("0.5.5", b"_alloc_offset"), ("0.5.6", b"cuda_raw"),
+])
+def test_every_profile_opens_both_forms_and_resolves_auto(release: str,
+                                                          auto_marker: bytes) -> None:
     drv = FakeDriver()
-    cache = small_cache(drv, wrapper="torch_ipc")
+    profile = get_profile(release)
+    assert set(profile.wrappers.cuda) == {"raw", "torch_ipc"}
+    blobs = {form: wrappers(small_cache(drv, wrapper=form), profile)[0]
+             for form in ("auto", "raw", "torch_ipc")}
+    assert auto_marker in blobs["auto"].data
+    default = profile.wrappers.default_cuda_form
+    # auto is exactly the default form (the caches differ only in their handles)
+    assert len(blobs["auto"].data) == len(blobs[default].data)
+    assert blobs["raw"].data != blobs["torch_ipc"].data
+    assert next(iter(profile.wrappers.cuda)) == default  # listed first (README table)
 
-    with pytest.raises(ProtocolMismatch, match="torch_ipc"):
-        wrappers(cache, get_profile("0.5.6"))
+
+def test_unknown_form_is_refused_by_the_profile() -> None:
+    rec = CudaLayerExport(ipc_handle=bytes(64), nbytes=64, alloc_offset=0, dtype="uint8",
+                          shape=(64,), stride=(1,), device_index=0, device_uuid=UUID_STR,
+                          form="cupy")  # type: ignore[arg-type]
+    for release in ("0.5.3", "0.5.5", "0.5.6"):
+        with pytest.raises(ProtocolMismatch, match="'cupy'"):
+            get_profile(release).wrappers.encode([rec], release)
+    with pytest.raises(InvalidArgument, match="wrapper"):
+        small_cache(FakeDriver(), wrapper="cupy")  # type: ignore[arg-type]
+
+
+def test_offsets_travel_in_every_form_but_053_raw() -> None:
+    drv = FakeDriver()
+    nbytes = 2 * 4 * 2 * 16 * 64 * 2
+    big = drv.add_alloc(4 * nbytes)
+    for form in ("auto", "raw", "torch_ipc"):
+        cache = CudaKVCache.from_pointers([big + nbytes], num_blocks=4, block_size=16,
+                                          num_heads=2, head_dim=64, driver=drv, wrapper=form)
+        assert cache.exports[0].offset == nbytes
+        (rec,) = cache.export_layers()
+        assert isinstance(rec, CudaLayerExport) and rec.alloc_offset == nbytes
+        for release in ("0.5.5", "0.5.6"):
+            wrappers(cache, get_profile(release))  # carries the offset: no error
+        if form == "raw":
+            with pytest.raises(InvalidArgument) as info:
+                wrappers(cache, PROFILE)
+            msg = str(info.value)
+            assert f"{nbytes} bytes into" in msg and "torch_ipc" in msg
+        else:
+            wrappers(cache, PROFILE)
 
 
 def _disassemble(data: bytes) -> str:
@@ -423,9 +324,9 @@ def test_non_base_pointer_is_refused_with_what_to_do() -> None:
         export_allocation(base + 4096, 1024, driver=drv)
     msg = str(info.value)
     assert "4096 bytes into its CUDA allocation" in msg
-    assert "CudaKVCache.allocate" in msg and "whole allocation" in msg
+    assert "CudaKVCache.allocate" in msg and "allow_offset=True" in msg
     assert "torch_ipc" in msg
-    # The torch_ipc form carries the offset, so it may export it.
+    # The receiver gets the offset (torch_ipc, and raw from 0.5.5): export it.
     exp = export_allocation(base + 4096, 1024, driver=drv, allow_offset=True)
     assert exp.base == base and exp.offset == 4096 and exp.handle == drv.ipc_get_mem_handle(base)
 
@@ -526,15 +427,17 @@ def test_from_torch_checks_bases_and_shapes() -> None:
     cache.close()
     assert drv.freed == []  # caller-owned memory is never freed by us
 
-    # A tensor carved out of a larger allocation (PyTorch's caching allocator).
+    # A tensor carved out of a larger allocation (PyTorch's caching allocator): the
+    # offset is exported; only 0.5.3's raw form cannot carry it, and says so.
     big = drv.add_alloc(4 * nbytes)
     carved = [good[0], FakeTensor(big + nbytes, shape)]
-    with pytest.raises(InvalidArgument) as info:
-        CudaKVCache.from_torch(carved, driver=drv)
-    assert "layer 1" in str(info.value) and "into its CUDA allocation" in str(info.value)
-    # ... which the torch_ipc form can carry.
-    ok = CudaKVCache.from_torch(carved, driver=drv, wrapper="torch_ipc")
+    ok = CudaKVCache.from_torch(carved, driver=drv)
     assert [e.offset for e in ok.exports] == [0, nbytes]
+    wrappers(ok)  # auto = torch_ipc on 0.5.3
+    raw = CudaKVCache.from_torch(carved, driver=drv, wrapper="raw")
+    with pytest.raises(InvalidArgument, match="bytes into its CUDA allocation"):
+        wrappers(raw)
+    wrappers(raw, get_profile("0.5.5"))
 
     with pytest.raises(InvalidArgument, match="not contiguous"):
         CudaKVCache.from_torch([FakeTensor(good[0].ptr, shape, contiguous=False)], driver=drv)
@@ -560,91 +463,35 @@ def test_from_pointers_refuses_memory_of_another_device() -> None:
                                   head_dim=64, driver=drv)
 
 
-# ------------------------------------------------------------------- events
-def test_event_flow() -> None:
-    drv = FakeDriver()
-    cache = small_cache(drv)
-    handle, token = cache.begin_transfer(0x99)
-    assert isinstance(handle, bytes) and len(handle) == IPC_HANDLE_SIZE
-    assert isinstance(token, TransferEvent) and not token.destroyed
-    ev = drv.events[token.event]
-    assert ev["recorded_on"] == 0x99 and ev["kind"] == "ours"
-
-    cache.end_transfer(server_handle(1), 0x99, token)
-    assert token.destroyed and ev["destroyed"]
-    assert ("wait", 0x99, server_handle(1)) in drv.calls
-    assert not any(c[0] in ("stream_sync", "event_sync") for c in drv.calls)
-
-    # Each distinct server handle is opened once, however often it comes back.
-    for n in (1, 2, 1, 2, 1):
-        _, tok = cache.begin_transfer(None)
-        cache.end_transfer(server_handle(n), None, tok)
-    assert drv.opened == {server_handle(1): 1, server_handle(2): 1}
-    assert cache.open_server_events == 2
-    assert sum(1 for c in drv.calls if c[0] == "wait") == 6
-
-    opened = [e for e in drv.events.values() if e["kind"] == "opened"]
-    cache.close()
-    assert all(e["destroyed"] for e in opened)
-    assert all(e["destroyed"] for e in drv.events.values())
+def test_device_comes_from_the_pointer_not_device_ordinal() -> None:
+    """cuda-bindings 13.3.x-13.4.1 read CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL as 0 (the
+    fake does the same): memory on device 1 must still export as device 1."""
+    drv = FakeDriver(devices=3)
+    nbytes = 2 * 8 * 2 * 16 * 64 * 2
+    ptrs = {d: drv.add_alloc(nbytes, device=d) for d in (1, 2)}
+    assert drv.pointer_attribute(ptrs[2], "DEVICE_ORDINAL") == 0
+    for d, ptr in ptrs.items():
+        drv.set_device(d)
+        assert export_allocation(ptr, nbytes, driver=drv).device == d
+    drv.set_device(0)
+    cache = CudaKVCache.from_pointers([ptrs[2]], num_blocks=8, block_size=16, num_heads=2,
+                                      head_dim=64, device=2, driver=drv)
+    assert cache.device == 2 and cache.device_uuid.startswith("02")
+    (rec,) = cache.export_layers()
+    assert isinstance(rec, CudaLayerExport) and rec.device_index == 2
+    assert drv.device == 0  # the caller's device is restored
+    # A device-0 cache of device-2 memory is refused even though DEVICE_ORDINAL says 0.
+    with pytest.raises(InvalidArgument, match="device 2, not device 0"):
+        CudaKVCache.from_pointers([ptrs[2]], num_blocks=8, block_size=16, num_heads=2,
+                                  head_dim=64, device=0, driver=drv)
 
 
-def test_event_wait_host_and_synchronize() -> None:
-    drv = FakeDriver()
-    cache = small_cache(drv, wait_host=True)
-    _, tok = cache.begin_transfer(5)
-    cache.end_transfer(server_handle(3), 5, tok)
-    waits = [c for c in drv.calls if c[0] in ("wait", "stream_sync")]
-    assert waits == [("wait", 5, server_handle(3)), ("stream_sync", 5)]
-    cache.synchronize_server_event(server_handle(3))
-    assert ("event_sync", server_handle(3)) in drv.calls
-    assert drv.opened[server_handle(3)] == 1
-    cache.synchronize()
-    assert drv.calls[-1] == ("stream_sync", 0)
+def test_bindings_driver_never_reads_device_ordinal() -> None:
+    from lmcache_mp.ipc.cuda import CudaBindingsDriver
 
-
-def test_bad_server_event_destroys_our_event_and_says_why() -> None:
-    drv = FakeDriver()
-    cache = small_cache(drv)
-    _, tok = cache.begin_transfer(None)
-    with pytest.raises(CudaError, match="not running in GPU mode"):
-        cache.end_transfer(b"stub_ipc_handle", None, tok)
-    assert tok.destroyed
-
-
-def test_unanswered_transfer_event_is_destroyed_when_dropped() -> None:
-    drv = FakeDriver()
-    cache = small_cache(drv)
-    _, tok = cache.begin_transfer(None)
-    ev = drv.events[tok.event]
-    del tok
-    gc.collect()
-    assert ev["destroyed"]
-    cache.close()
-
-
-def test_server_event_cache_is_bounded() -> None:
-    from lmcache_mp.ipc import cuda as cuda_mod
-
-    drv = FakeDriver()
-    cache = small_cache(drv)
-    limit = cuda_mod._MAX_OPEN_SERVER_EVENTS
-    for n in range(limit + 10):
-        _, tok = cache.begin_transfer(None)
-        cache.end_transfer(n.to_bytes(4, "little") * 16, None, tok)
-    assert cache.open_server_events == limit
-    opened = [e for e in drv.events.values() if e["kind"] == "opened"]
-    assert sum(e["destroyed"] for e in opened) == 10
-    cache.close()
-
-
-def test_events_use_the_caches_device() -> None:
-    drv = FakeDriver(devices=2)
-    cache = small_cache(drv, device=1)
-    _, tok = cache.begin_transfer(None)
-    assert drv.events[tok.event]["device"] == 1 and drv.device == 0
-    cache.end_transfer(server_handle(1), None, tok)
-    assert drv.device == 0
+    drv = object.__new__(CudaBindingsDriver)  # no cuda-python needed for this check
+    with pytest.raises(InvalidArgument, match="pointer_device"):
+        drv.pointer_attribute(0x1000, "DEVICE_ORDINAL")
 
 
 # ------------------------------------------------------------ import hygiene
@@ -733,21 +580,25 @@ def test_doctor_server_check_and_exit_code(capsys: pytest.CaptureFixture[str]) -
     assert "did not answer" in out
 
 
-# ------------------------------------------------------------ the GPU scripts
-def test_gpu_scripts_parse_and_refuse_without_a_gpu() -> None:
-    for script in ("gpu_check.sh", "fetch_gpu_wheels.sh"):
-        proc = subprocess.run(["bash", "-n", str(REPO / "scripts" / script)],
-                              capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
-    try:
-        import torch
+@pytest.mark.parametrize("release, default", [("0.5.3", "torch_ipc"), ("0.5.4", "torch_ipc"),
+                                              ("0.5.5", "raw"), ("0.5.6", "raw")])
+def test_doctor_names_the_forms_a_server_opens(release: str, default: str) -> None:
+    from lmcache_mp.doctor import _wrapper_forms
 
-        if torch.cuda.is_available():
-            pytest.skip("a GPU is present: gpu_check.py would really run")
-    except ImportError:
-        pass
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"),
-                           "--url", "tcp://127.0.0.1:1"], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 3, proc.stderr
-    assert "no GPU here" in proc.stderr and "nothing was run" in proc.stderr
+    text = _wrapper_forms(get_profile(release).wrappers)
+    assert text.startswith(f"the server opens {default} (wrapper='auto' picks this; ")
+    other = "raw" if default == "torch_ipc" else "torch_ipc"
+    assert f"; {other} (" in text and text.count("wrapper='auto'") == 1
+    if release in ("0.5.3", "0.5.4"):
+        assert "cuda-bindings <= 13.3" in text and "never unmaps" in text
+
+
+@pytest.mark.live
+def test_doctor_reports_the_live_servers_forms(live_server: Any, expected_family: str) -> None:
+    from lmcache_mp.doctor import run_doctor
+
+    rows = {n: (r, ok) for n, r, ok in run_doctor(live_server.url, 10.0, driver=FakeDriver())}
+    assert rows["server"][1], rows["server"]
+    default = get_profile(expected_family).wrappers.default_cuda_form
+    forms, ok = rows["CUDA wrapper forms"]
+    assert ok and forms.startswith(f"the server opens {default} (wrapper='auto' picks this")

@@ -95,9 +95,29 @@ def test_allocate_and_export(cache: Any) -> None:
         assert exp.offset == 0 and exp.size >= cache.geometry.layer_nbytes
         assert len(exp.handle) == 64 and any(exp.handle)
     assert cache.device_uuid == get_driver().device_info(0).uuid
+    assert [e.device for e in cache.exports] == [0, 0]
     profile = get_profile("0.5.3")
     blobs = profile.wrappers.encode(cache.export_layers(), "0.5.3")
-    assert len(blobs) == 2 and b"RawCudaIPCWrapper" in blobs[0].data
+    # wrapper="auto" is torch's CudaIPCWrapper on 0.5.3
+    assert len(blobs) == 2 and b"CudaIPCWrapper" in blobs[0].data
+    assert b"RawCudaIPCWrapper" not in blobs[0].data
+
+
+@needs_gpu
+def test_pointer_device_on_every_device() -> None:
+    """The device comes from cudaPointerGetAttributes, not from DEVICE_ORDINAL (which
+    reads 0 on cuda-bindings 13.3.x-13.4.1): checked on every visible device."""
+    from lmcache_mp.ipc.cuda import export_allocation, get_driver, on_device
+
+    drv = get_driver()
+    for dev in range(drv.device_count()):
+        with on_device(drv, dev):
+            ptr = drv.malloc(1 << 20)
+            try:
+                assert drv.pointer_device(ptr) == dev
+                assert export_allocation(ptr, 1 << 20).device == dev
+            finally:
+                drv.free(ptr)
 
 
 @needs_gpu
@@ -185,7 +205,7 @@ def test_ipc_round_trip_with_a_child_process(cache: Any) -> None:
         line = child.stdout.readline().strip()
         assert len(line) == 128, child.stderr.read() if child.stderr else line
         cache.end_transfer(bytes.fromhex(line), None, token)
-        assert token.destroyed and cache.open_server_events == 1
+        assert token.destroyed
         cache.synchronize()
         host = (ctypes.c_ubyte * nbytes)()
         err, = RT.cudaMemcpy(ctypes.addressof(host), exp.ptr, nbytes,
@@ -226,12 +246,27 @@ def test_torch_allocator_memory() -> None:
     from lmcache_mp.ipc.cuda import CudaKVCache
 
     torch = _torch_cuda()
+    from lmcache_mp.protocol import get_profile
+
     big = torch.zeros((2, 2, 4, 2, 16, 64), dtype=torch.bfloat16, device="cuda")
+    raw = CudaKVCache.from_torch([big[1]], wrapper="raw")
     with pytest.raises(InvalidArgument, match="into its CUDA allocation"):
-        CudaKVCache.from_torch([big[1]])
-    c = CudaKVCache.from_torch([big[0], big[1]], wrapper="torch_ipc")
+        get_profile("0.5.3").wrappers.encode(raw.export_layers(), "0.5.3")
+    get_profile("0.5.5").wrappers.encode(raw.export_layers(), "0.5.5")  # carries it
+    c = CudaKVCache.from_torch([big[0], big[1]])
     assert c.exports[1].offset == c.exports[0].offset + big[0].numel() * 2
     c.close()
+    raw.close()
+
+
+@needs_gpu
+def test_default_stream_is_torchs_current_stream(cache: Any) -> None:
+    torch = _torch_cuda()
+    side = torch.cuda.Stream()  # torch's pool streams are cudaStreamNonBlocking
+    with torch.cuda.stream(side):
+        _, token = cache.begin_transfer(None)
+    assert token.stream == side.cuda_stream != 0
+    token.destroy()
 
 
 @needs_gpu

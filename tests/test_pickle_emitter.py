@@ -442,3 +442,36 @@ def test_disassembly_has_only_data_opcodes_and_the_two_expected_globals() -> Non
         after = [names[i - 1] for i, n in enumerate(names) if n == "MEMOIZE"]
         memoized = [n for n in names if n in MEMOIZED_OPS]
         assert after == memoized
+
+
+def test_templates_load_from_a_source_checkout(tmp_path: Path) -> None:
+    """lmcache_mp used from a checkout on sys.path, not installed (the GPU check does
+    that on the device): lmcache_mp.pickle_templates does not exist, and the templates
+    come from the checkout's top-level pickle_templates/ folder."""
+    import shutil
+
+    shutil.copytree(REPO / "lmcache_mp", tmp_path / "lmcache_mp",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "pickle_templates", tmp_path / "pickle_templates",
+                    ignore=shutil.ignore_patterns("__pycache__", "__init__.py"))
+    case = next(c for c in FIXTURE["cases"] if c["template"] == "v0_5_3_cuda_ipc")
+    code = "\n".join([
+        "import sys, json",
+        # Drop the editable install's finder: only the copied checkout may answer.
+        "sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]",
+        f"sys.path.insert(0, {str(tmp_path)!r})",
+        "import lmcache_mp, lmcache_mp.pickle_emitter as e",
+        f"assert lmcache_mp.__file__.startswith({str(tmp_path)!r}), lmcache_mp.__file__",
+        "import importlib.util",
+        "assert importlib.util.find_spec('lmcache_mp.pickle_templates') is None",
+        f"case = json.loads({json.dumps(json.dumps(case))})",
+        "fields = {k: (bytes.fromhex(v['$bytes']) if isinstance(v, dict) else v)",
+        "          for k, v in case['fields'].items()}",
+        "fields['handle'] = [bytes.fromhex(h['$bytes']) if isinstance(h, dict) else h",
+        "                    for h in fields['handle']]",
+        "print(e.emit(case['template'], fields).hex())",
+    ])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == case["pickle"]

@@ -12,6 +12,12 @@ and the real payload classes, and representative replies with the real response
 classes; it also records the server's token hashes and kv ranks. Unit tests compare
 lmcache_mp's frames with these bytes and decode these replies without lmcache.
 
+wrappers.json holds every KV-cache wrapper form (CPU SHM, raw CUDA, torch CUDA IPC)
+serialised by the release's own ``DeviceIPCWrapper.Serialize`` and read back by its
+``Deserialize``; events.json the completion-event handles a reply can carry instead of
+a cudaIpcEventHandle_t (CPU stub, 0.5.5+ timeline semaphore). ``--only wrappers``
+writes just those two files.
+
 Payload values are written as tagged JSON so the tests can rebuild them with
 lmcache_mp's types: {"$key": {...}}, {"$bytes": hex}, {"$float": x},
 {"$wrappers": [pickle hex, ...]}, {"$hints": {...}}, {"$groups": [...]},
@@ -58,7 +64,9 @@ if FAMILY == "0.5.6":
     )
     from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
     from lmcache.v1.platform.devices.cpu.shm import CpuShmTensorWrapper
-    from lmcache.v1.platform.devices.cuda.ipc_wrapper import RawCudaIPCWrapper
+    from lmcache.v1.platform.devices.cpu.stub_cpu_device import StubEvent
+    from lmcache.v1.platform.devices.cuda import timeline_semaphore_event_ipc as timeline
+    from lmcache.v1.platform.devices.cuda.ipc_wrapper import CudaIPCWrapper, RawCudaIPCWrapper
 
     def payload_classes(op: str) -> list[Any]:
         return list(get_rpc_spec(op.lower()).payload_types)
@@ -83,7 +91,13 @@ else:
     )
     from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
     from lmcache.v1.platform.cpu.shm import CpuShmTensorWrapper
-    from lmcache.v1.platform.cuda.ipc_wrapper import RawCudaIPCWrapper
+    from lmcache.v1.platform.cpu.stub_cpu_device import StubEvent
+    from lmcache.v1.platform.cuda.ipc_wrapper import CudaIPCWrapper, RawCudaIPCWrapper
+
+    if FAMILY == "0.5.5":  # --isolated-ipc's event backend appeared in 0.5.5
+        from lmcache.v1.platform.cuda import timeline_semaphore_event_ipc as timeline
+    else:
+        timeline = None
 
     def payload_classes(op: str) -> list[Any]:
         return list(get_payload_classes(RequestType[op]))
@@ -312,19 +326,23 @@ def reply_values(op: str) -> list[Any]:
     return table[op]
 
 
-def raw_cuda_wrapper(handle: bytes, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
-                     uuid: str) -> Any:
-    """A RawCudaIPCWrapper as __init__ would leave it (no GPU needed)."""
-    w = object.__new__(RawCudaIPCWrapper)
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
     for d in reversed(shape):
         strides.append(acc)
         acc *= d
+    return tuple(reversed(strides))
+
+
+def raw_cuda_wrapper(handle: bytes, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
+                     uuid: str, alloc_offset: int = 0) -> Any:
+    """A RawCudaIPCWrapper as __init__ would leave it (no GPU needed)."""
+    w = object.__new__(RawCudaIPCWrapper)
     attrs: dict[str, Any] = {"_ipc_handle_reserved": handle}
     if FAMILY != "0.5.3":
-        attrs["_alloc_offset"] = 0
+        attrs["_alloc_offset"] = alloc_offset
     attrs.update(_nbytes=nbytes, handle=None, dtype=dtype, shape=tuple(shape),
-                 stride=tuple(reversed(strides)), storage_offset=0)
+                 stride=_contiguous(shape), storage_offset=0)
     if FAMILY != "0.5.3":
         attrs["_opens"] = 0
     attrs["device_uuid"] = uuid
@@ -333,16 +351,49 @@ def raw_cuda_wrapper(handle: bytes, nbytes: int, dtype: torch.dtype, shape: tupl
     return w
 
 
+# What lmcache_mp's torch_ipc form puts in torch's _share_cuda_() 8-tuple besides the
+# layer's own values (lmcache_mp/protocol/wrappers.py torch_storage_handle): a
+# ref-counter file name that cannot exist, no producer event. Kept here, not imported:
+# this tool is the oracle and never imports lmcache_mp.
+NO_REFCOUNTER = b"/lmcache_mp_no_refcounter_file"
+
+
+def cuda_ipc_wrapper(device_index: int, handle: bytes, nbytes: int, alloc_offset: int,
+                     dtype: torch.dtype, shape: tuple[int, ...], uuid: str) -> Any:
+    """A CudaIPCWrapper as __init__ leaves it for a contiguous tensor whose storage
+    starts ``alloc_offset`` bytes into its allocation (no GPU needed)."""
+    w = object.__new__(CudaIPCWrapper)
+    storage = (device_index, handle, nbytes, alloc_offset, NO_REFCOUNTER, 0, bytes(64), False)
+    for k, v in (("handle", storage), ("dtype", dtype), ("shape", tuple(shape)),
+                 ("stride", _contiguous(shape)), ("storage_offset", 0),
+                 ("device_uuid", uuid)):
+        setattr(w, k, v)
+    return w
+
+
+def checked_serialize(wrapper: Any) -> bytes:
+    """The release's own serialisation, proven to open again with its own decoder (a
+    0.5.6 descriptor's validation, or the pickle the server loads; oracle venv only)."""
+    data = DeviceIPCWrapper.Serialize(wrapper)
+    back = DeviceIPCWrapper.Deserialize(data)
+    assert type(back) is type(wrapper) and back == wrapper, (wrapper, back)
+    return bytes(data)
+
+
 def wrapper_cases() -> list[dict[str, Any]]:
-    """Each wrapper serialised by the release's own ``DeviceIPCWrapper.Serialize``."""
+    """Each wrapper serialised by the release's own ``DeviceIPCWrapper.Serialize``:
+    kinds cpu_shm, cuda_raw (0.5.5+ with offsets too) and cuda_ipc (lmcache_mp's
+    ``torch_ipc`` form; the ``cuda`` descriptor in 0.5.6)."""
     cases = []
     dtypes = [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.uint8]
     shapes = [(2, 64, 4, 16, 32), (128, 16, 576), (2, 1, 1, 1, 1), (2, 4096, 8, 16, 128), ()]
+    offsets = [0, 0, 512, 2**20, 2**33 + 256]
     for i, (dtype, shape) in enumerate(zip(dtypes, shapes, strict=True)):
         itemsize = torch.empty((), dtype=dtype).element_size()
         numel = 1
         for d in shape:
             numel *= d
+        nbytes = numel * itemsize
         name = f"/lmcache_mp_{1000 + i}_{i}_L{i}_{'ab' * i}"
         w = shm_wrapper(name, shape, dtype)
         cases.append({"kind": "cpu_shm", "fields": {
@@ -351,12 +402,34 @@ def wrapper_cases() -> list[dict[str, Any]]:
             "data": DeviceIPCWrapper.Serialize(w).hex()})
         handle = bytes((i * 37 + j) % 256 for j in range(64))
         uuid = f"{i:08x}-1234-5678-9abc-{i * 99991:012x}"
-        rw = raw_cuda_wrapper(handle, numel * itemsize, dtype, shape, uuid)
-        cases.append({"kind": "cuda_raw", "fields": {
-            "ipc_handle": handle.hex(), "nbytes": numel * itemsize,
-            "dtype": str(dtype).removeprefix("torch."), "shape": list(shape),
-            "stride": list(rw.stride), "device_uuid": uuid},
-            "data": DeviceIPCWrapper.Serialize(rw).hex()})
+        common = {"ipc_handle": handle.hex(), "nbytes": nbytes,
+                  "dtype": str(dtype).removeprefix("torch."), "shape": list(shape),
+                  "stride": list(_contiguous(shape)), "device_uuid": uuid}
+        # 0.5.3's RawCudaIPCWrapper has no offset field: base pointers only.
+        for off in sorted({0, offsets[i]} if FAMILY != "0.5.3" else {0}):
+            rw = raw_cuda_wrapper(handle, nbytes, dtype, shape, uuid, off)
+            cases.append({"kind": "cuda_raw", "fields": {**common, "alloc_offset": off},
+                          "data": checked_serialize(rw).hex()})
+        device_index = i % 3
+        cw = cuda_ipc_wrapper(device_index, handle, nbytes, offsets[i], dtype, shape, uuid)
+        cases.append({"kind": "cuda_ipc", "fields": {
+            **common, "alloc_offset": offsets[i], "device_index": device_index},
+            "data": checked_serialize(cw).hex()})
+    return cases
+
+
+def event_cases() -> list[dict[str, Any]]:
+    """Completion-event handles a STORE / RETRIEVE reply can carry besides a 64-byte
+    cudaIpcEventHandle_t: a CPU-mode server's stub, and (0.5.5+, --isolated-ipc) the
+    timeline-semaphore handle, packed with the release's own wire struct."""
+    cases = [{"kind": "cpu_stub", "data": StubEvent(interprocess=True).ipc_handle().hex()}]
+    if timeline is not None:
+        for n, (slot, seq) in enumerate([(8, 1), (8 * 4095, 2**40), (0, 0)]):
+            mem = bytes((n * 11 + j) % 256 for j in range(64))
+            data = timeline._EXPORT_STRUCT.pack(timeline._HANDLE_VERSION, mem, slot, seq)
+            cases.append({"kind": "timeline_semaphore", "data": data.hex(),
+                          "fields": {"version": timeline._HANDLE_VERSION, "slot_offset": slot,
+                                     "seq": seq}})
     return cases
 
 
@@ -364,11 +437,25 @@ def wrapper_cases() -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="fixtures")
+    ap.add_argument("--only", choices=["all", "wrappers"], default="all",
+                    help="wrappers: write only wrappers.json and events.json")
     args = ap.parse_args()
     version = VERSION
     out = Path(args.out) / f"v{version}"
     out.mkdir(parents=True, exist_ok=True)
+    meta = {"lmcache_version": version, "msgspec_version": msgspec.__version__,
+            "generator": "tools/gen_fixtures.py"}
+    outputs = [("wrappers", wrapper_cases()), ("events", event_cases())]
+    if args.only == "all":
+        outputs += requests_replies_hashes()
+    for name, data in outputs:
+        path = out / f"{name}.json"
+        path.write_text(json.dumps({"meta": meta, "cases": data}, ensure_ascii=False, indent=0) + "\n")
+        print(f"wrote {path}: {len(data)} cases")
 
+
+def requests_replies_hashes() -> list[tuple[str, list[dict[str, Any]]]]:
+    """Every op's request frames and replies, and the server's token hashes."""
     requests, replies = [], []
     uid_cycle = [5, 0, 2**31, 127]
     for group, ops in GROUPS.items():
@@ -418,15 +505,7 @@ def main() -> None:
                 "kv_ranks": ranks,
             })
 
-    meta = {"lmcache_version": version, "msgspec_version": msgspec.__version__,
-            "generator": "tools/gen_fixtures.py"}
-    outputs = [("requests", requests), ("replies", replies), ("hashes", hasher_cases)]
-    if FAMILY != "0.5.3":  # 0.5.3's wrapper pickles live in pickles.json
-        outputs.append(("wrappers", wrapper_cases()))
-    for name, data in outputs:
-        path = out / f"{name}.json"
-        path.write_text(json.dumps({"meta": meta, "cases": data}, ensure_ascii=False, indent=0) + "\n")
-        print(f"wrote {path}: {len(data)} cases")
+    return [("requests", requests), ("replies", replies), ("hashes", hasher_cases)]
 
 
 if __name__ == "__main__":

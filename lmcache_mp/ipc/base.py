@@ -109,8 +109,9 @@ class CudaLayerExport:
     ``ipc_handle`` names the whole allocation (it maps at its base); the tensor starts
     ``alloc_offset`` bytes into it. ``form`` is the wrapper the caller asked for
     (``"raw"``: LMCache's RawCudaIPCWrapper / ``cuda_raw`` descriptor; ``"torch_ipc"``:
-    LMCache's CudaIPCWrapper, torch's storage-sharing tuple); the profile refuses a form
-    its servers cannot open.
+    LMCache's CudaIPCWrapper / ``cuda`` descriptor, torch's storage-sharing tuple;
+    ``"auto"``: the profile's default); the profile refuses a form its servers cannot
+    open.
     """
 
     ipc_handle: bytes
@@ -121,7 +122,7 @@ class CudaLayerExport:
     stride: tuple[int, ...]
     device_index: int
     device_uuid: str  # torch form: lower-case 8-4-4-4-12 hex
-    form: Literal["raw", "torch_ipc"] = "raw"
+    form: Literal["auto", "raw", "torch_ipc"] = "auto"
 
 
 LayerExport = ShmLayerExport | CudaLayerExport

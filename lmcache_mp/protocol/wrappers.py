@@ -3,14 +3,25 @@
 REGISTER_KV_CACHE carries one serialised wrapper per layer tensor (msgpack ext type 1).
 What that wrapper is differs by family and by memory kind:
 
-==========  ==========================  =========================================
-family      CPU SHM layer               CUDA layer (``form``)
-==========  ==========================  =========================================
-0.5.3/0.5.4 pickled CpuShmTensorWrapper  ``raw``: pickled RawCudaIPCWrapper (0.5.3);
+==========  ==========================  =============================================
+family      CPU SHM layer               CUDA layer (``form``; the default first)
+==========  ==========================  =============================================
+0.5.3/0.5.4 pickled CpuShmTensorWrapper  ``torch_ipc``: pickled CudaIPCWrapper;
+                                        ``raw``: pickled 0.5.3 RawCudaIPCWrapper
+0.5.5       same pickle                 ``raw``: 0.5.5 RawCudaIPCWrapper pickle;
                                         ``torch_ipc``: pickled CudaIPCWrapper
-0.5.5       same pickle                 ``raw``: 0.5.5 RawCudaIPCWrapper pickle
-0.5.6       ``cpu_shm`` descriptor      ``raw``: ``cuda_raw`` descriptor
-==========  ==========================  =========================================
+0.5.6       ``cpu_shm`` descriptor      ``raw``: ``cuda_raw`` descriptor;
+                                        ``torch_ipc``: ``cuda`` descriptor
+==========  ==========================  =============================================
+
+``torch_ipc`` is torch's ``UntypedStorage._share_cuda_()`` 8-tuple built without
+torch; the server opens it with ``torch.UntypedStorage._new_shared_cuda`` (torch only,
+mapping closed with the storage). ``raw`` is the bare 64-byte memory handle, opened
+with cuda-bindings and cupy. A cache asking for ``"auto"`` gets the family's
+:attr:`WrapperFormats.default_cuda_form`: 0.5.3's ``raw`` cannot work against a stock
+server with cuda-bindings >= 13.4 (its ``to_tensor`` assigns
+``cudaIpcMemHandle_t.reserved``, which 13.4 removed) and never unmaps, so there it is
+``torch_ipc``; 0.5.5+ open ``raw`` with 13.4 and unmap it, so there it stays ``raw``.
 
 The memory layer hands plain records (:mod:`lmcache_mp.ipc.base`); only this module
 knows the wire forms, and :class:`WrapperFormats` refuses a form a family cannot open.
@@ -19,7 +30,7 @@ knows the wire forms, and :class:`WrapperFormats` refuses a form a family cannot
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
@@ -35,6 +46,8 @@ __all__ = [
     "DESCRIPTOR_V056",
     "cpu_shm_descriptor",
     "cuda_raw_descriptor",
+    "cuda_torch_descriptor",
+    "torch_storage_handle",
 ]
 
 IPC_HANDLE_SIZE = 64
@@ -85,18 +98,28 @@ def pickle_raw_cuda_v055(rec: CudaLayerExport) -> WrapperBlob:
     }))
 
 
-def pickle_torch_ipc_v053(rec: CudaLayerExport) -> WrapperBlob:
-    """A pickled 0.5.3 ``CudaIPCWrapper``: torch's ``_share_cuda_()`` 8-tuple built
-    without torch (device, bare memory handle, storage bytes, byte offset inside the
-    allocation, ref-counter file, ref-counter offset, producer event handle,
-    event_sync_required). Ordering is done per transfer with our own events, so no
-    producer event."""
+TorchStorageHandle = tuple[int, bytes, int, int, bytes, int, bytes, bool]
+
+
+def torch_storage_handle(rec: CudaLayerExport) -> TorchStorageHandle:
+    """torch's ``_share_cuda_()`` 8-tuple for ``rec``, built without torch: device,
+    the bare 64-byte memory handle (torch >= 2.5 reads a 64-byte handle as a plain
+    cudaMalloc share; longer ones are its versioned form), storage bytes, byte offset
+    inside the allocation, ref-counter file, ref-counter offset, producer event handle,
+    event_sync_required. Ordering is done per transfer with our own events, so no
+    producer event (and the server never opens the zero event handle)."""
+    return (rec.device_index, rec.ipc_handle, rec.nbytes, rec.alloc_offset,
+            _NO_REFCOUNTER, 0, bytes(IPC_HANDLE_SIZE), False)
+
+
+def pickle_torch_ipc(rec: CudaLayerExport) -> WrapperBlob:
+    """A pickled ``CudaIPCWrapper``: the same class path and ``__dict__`` in 0.5.3,
+    0.5.4 and 0.5.5 (``platform/cuda/ipc_wrapper.py``), so one template serves all."""
     from ..pickle_emitter import emit_cuda_ipc_wrapper
 
     return WrapperBlob(emit_cuda_ipc_wrapper(
-        handle=(rec.device_index, rec.ipc_handle, rec.nbytes, rec.alloc_offset,
-                _NO_REFCOUNTER, 0, bytes(IPC_HANDLE_SIZE), False),
-        dtype=rec.dtype, shape=rec.shape, stride=rec.stride, device_uuid=rec.device_uuid))
+        handle=torch_storage_handle(rec), dtype=rec.dtype, shape=rec.shape,
+        stride=rec.stride, device_uuid=rec.device_uuid))
 
 
 # --------------------------------------------------- 0.5.6 msgpack descriptors
@@ -124,6 +147,12 @@ class _RawCudaIPCData(_IPCData, tag="cuda_raw"):
     ipc_handle: bytes
     alloc_offset: int
     nbytes: int
+
+
+class _CudaIPCData(_IPCData, tag="cuda"):
+    # ipc_wire.py types the items as (int, bytes|None, int, int, bytes|None, int,
+    # bytes|None, bool); we always send bytes.
+    handle: tuple[int, bytes, int, int, bytes, int, bytes, bool]
 
 
 def _metadata(dtype: str, shape: Sequence[int], stride: Sequence[int],
@@ -155,6 +184,17 @@ def cuda_raw_descriptor(
         ipc_handle=ipc_handle, alloc_offset=alloc_offset, nbytes=nbytes))
 
 
+def cuda_torch_descriptor(rec: CudaLayerExport) -> bytes:
+    """0.5.6's ``cuda`` descriptor (``CudaIPCData``): torch's storage-sharing 8-tuple
+    and the view's metadata (``storage_offset`` 0: the tuple's byte offset places the
+    storage, and the view starts at the storage)."""
+    if len(rec.ipc_handle) != IPC_HANDLE_SIZE:
+        raise InvalidArgument("a cudaIpcMemHandle_t is exactly 64 bytes")
+    return msgspec.msgpack.encode(_CudaIPCData(
+        version=1, metadata=_metadata(rec.dtype, rec.shape, rec.stride, rec.device_uuid),
+        handle=torch_storage_handle(rec)))
+
+
 def descriptor_cpu_shm(rec: ShmLayerExport) -> WrapperBlob:
     return WrapperBlob(cpu_shm_descriptor(rec.shm_name, rec.nbytes, rec.dtype, rec.shape,
                                           rec.stride))
@@ -165,15 +205,35 @@ def descriptor_cuda_raw(rec: CudaLayerExport) -> WrapperBlob:
                                            rec.stride, rec.device_uuid, rec.alloc_offset))
 
 
+def descriptor_cuda_torch(rec: CudaLayerExport) -> WrapperBlob:
+    return WrapperBlob(cuda_torch_descriptor(rec))
+
+
 # ----------------------------------------------------------------- per family
+CudaEncoder = Callable[[CudaLayerExport], WrapperBlob]
+
+
 @dataclass(frozen=True)
 class WrapperFormats:
     """How one family serialises each kind of layer export."""
 
     name: str  # "pickle (protocol 4)" or "msgpack descriptor", for the compat table
     cpu_shm: Callable[[ShmLayerExport], WrapperBlob]
-    cuda: Mapping[str, Callable[[CudaLayerExport], WrapperBlob]]  # form -> encoder
-    default_cuda_form: str
+    cuda: Mapping[str, CudaEncoder]  # form -> encoder, the default first
+    default_cuda_form: str  # what a cache asking for "auto" gets
+    # form -> what the server needs to open it (lmcache-mp doctor prints these)
+    cuda_notes: Mapping[str, str] = field(default_factory=dict)
+
+    def resolve_form(self, form: str, family: str) -> str:
+        """The form ``form`` stands for ("auto": the default); ProtocolMismatch if this
+        family cannot open it."""
+        resolved = self.default_cuda_form if form == "auto" else form
+        if resolved not in self.cuda:
+            raise ProtocolMismatch(
+                f"LMCache {family} servers cannot open a {form!r} CUDA wrapper; they take "
+                f"{', '.join(repr(f) for f in self.cuda)}: allocate the cache with "
+                f"wrapper='auto' (here {self.default_cuda_form!r})")
+        return resolved
 
     def encode(self, exports: Sequence[LayerExport], family: str) -> list[WrapperBlob]:
         if not exports:
@@ -183,22 +243,29 @@ class WrapperFormats:
             if isinstance(rec, ShmLayerExport):
                 out.append(self.cpu_shm(rec))
             elif isinstance(rec, CudaLayerExport):
-                encoder = self.cuda.get(rec.form)
-                if encoder is None:
-                    raise ProtocolMismatch(
-                        f"LMCache {family} servers cannot open a {rec.form!r} CUDA wrapper; "
-                        f"they take {', '.join(repr(f) for f in self.cuda)}: allocate the "
-                        f"cache with wrapper={self.default_cuda_form!r}")
-                out.append(encoder(rec))
+                out.append(self.cuda[self.resolve_form(rec.form, family)](rec))
             else:
                 raise InvalidArgument(f"unknown layer export {type(rec).__name__}")
         return out
 
 
-PICKLE_V053 = WrapperFormats("pickle (protocol 4)", pickle_cpu_shm,
-                             {"raw": pickle_raw_cuda_v053, "torch_ipc": pickle_torch_ipc_v053},
-                             "raw")
-PICKLE_V055 = WrapperFormats("pickle (protocol 4)", pickle_cpu_shm,
-                             {"raw": pickle_raw_cuda_v055}, "raw")
-DESCRIPTOR_V056 = WrapperFormats("msgpack descriptor", descriptor_cpu_shm,
-                                 {"raw": descriptor_cuda_raw}, "raw")
+_TORCH_IPC_NOTE = ("torch's CUDA storage sharing (the server opens it with torch alone and "
+                   "unmaps it with the storage)")
+_RAW_NOTE = "the bare memory handle (the server opens it with cuda-bindings and cupy"
+
+PICKLE_V053 = WrapperFormats(
+    "pickle (protocol 4)", pickle_cpu_shm,
+    {"torch_ipc": pickle_torch_ipc, "raw": pickle_raw_cuda_v053}, "torch_ipc",
+    {"torch_ipc": _TORCH_IPC_NOTE,
+     "raw": _RAW_NOTE + "; 0.5.3 needs cuda-bindings <= 13.3 on the server, never unmaps, "
+            "and each layer must start at its allocation's base)"})
+PICKLE_V055 = WrapperFormats(
+    "pickle (protocol 4)", pickle_cpu_shm,
+    {"raw": pickle_raw_cuda_v055, "torch_ipc": pickle_torch_ipc}, "raw",
+    {"raw": _RAW_NOTE + "; carries the offset, unmapped on close)",
+     "torch_ipc": _TORCH_IPC_NOTE})
+DESCRIPTOR_V056 = WrapperFormats(
+    "msgpack descriptor", descriptor_cpu_shm,
+    {"raw": descriptor_cuda_raw, "torch_ipc": descriptor_cuda_torch}, "raw",
+    {"raw": "`cuda_raw` descriptor: " + _RAW_NOTE + "; carries the offset)",
+     "torch_ipc": "`cuda` descriptor: " + _TORCH_IPC_NOTE})

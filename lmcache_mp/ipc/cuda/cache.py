@@ -1,0 +1,378 @@
+"""GPU KV caches the LMCache server maps through CUDA IPC (:class:`CudaKVCache`).
+
+Wrapper forms (:attr:`CudaKVCache.wrapper_format`, put on the wire by the server's
+profile, :mod:`lmcache_mp.protocol.wrappers`): ``"auto"`` (default: the form the
+server's release opens with nothing beyond LMCache's own dependencies), ``"torch_ipc"``
+(torch's storage-sharing tuple; the server needs only torch) or ``"raw"`` (the bare
+memory handle; the server needs cupy, and 0.5.3 also cuda-bindings <= 13.3 and
+layers at their allocation's base).
+
+Ordering. Every STORE / RETRIEVE sends the handle of an interprocess event recorded on
+the caller's stream (the server's copy waits for it) and gets back the handle of the
+server's completion event. That event is a local of the server's handler, destroyed
+once exported, and the driver recycles IPC event slots: so, as LMCache's own client
+does (``DeviceMessagingFuture`` imports every reply's handle), each one is opened
+afresh, waited on (``cudaStreamWaitEvent``: work queued on the stream afterwards sees
+the copied blocks) and destroyed, never cached by its bytes.
+``wait_host=True`` (or :meth:`CudaKVCache.synchronize`) also waits on the host.
+
+``stream=None`` is torch's current stream on the cache's device when torch has
+initialised CUDA in this process, else the legacy default stream (see
+:func:`~lmcache_mp.ipc.cuda.export.default_stream`). Pass the stream your engine
+writes the KV cache on when it is neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from ...checks import one_of, positive_int
+from ...errors import InvalidArgument
+from ..base import STORAGE_DTYPES, CudaLayerExport, KVGeometry, KVLayout, LayerExport
+from .driver import CudaDriver, get_driver
+from .export import (
+    CudaArrayView,
+    DeviceAllocation,
+    ExportedAllocation,
+    TransferEvent,
+    check_device_index,
+    check_server_event,
+    default_stream,
+    export_allocation,
+    on_device,
+    stream_handle,
+    torch_layer_layout,
+)
+
+__all__ = ["CudaKVCache", "WrapperFormat", "WRAPPER_FORMATS"]
+
+WrapperFormat = Literal["auto", "raw", "torch_ipc"]
+WRAPPER_FORMATS: tuple[WrapperFormat, ...] = ("auto", "raw", "torch_ipc")
+
+
+def _check_wrapper(wrapper: object) -> WrapperFormat:
+    one_of("wrapper", wrapper, WRAPPER_FORMATS)
+    return wrapper  # type: ignore[return-value]
+
+
+def _geometry(num_layers: int, num_blocks: int, block_size: int, num_heads: int,
+              head_dim: int, dtype: str, mla: bool) -> KVGeometry:
+    if dtype not in STORAGE_DTYPES:
+        raise InvalidArgument(
+            f"dtype {dtype!r} is not supported; use one of {', '.join(STORAGE_DTYPES)}")
+    if mla and num_heads != 1:
+        raise InvalidArgument("an MLA cache has one latent head: pass num_heads=1")
+    return KVGeometry(
+        positive_int("num_layers", num_layers), positive_int("num_blocks", num_blocks),
+        positive_int("block_size", block_size), positive_int("num_heads", num_heads),
+        positive_int("head_dim", head_dim), dtype, bool(mla))
+
+
+class CudaKVCache:
+    """Per-layer GPU KV tensors the LMCache server maps through CUDA IPC.
+
+    Build one with :meth:`allocate` (memory of its own, always exportable),
+    :meth:`from_torch` (caller-owned tensors) or :meth:`from_pointers`. Layers are HND
+    ``[2, num_blocks, num_heads, block_size, head_dim]`` (MLA: ``[num_blocks,
+    block_size, head_dim]``), contiguous. Unregister before closing: the server keeps
+    mapping the memory until then.
+    """
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        device: int,
+        exports: Sequence[ExportedAllocation],
+        *,
+        driver: CudaDriver,
+        owners: Sequence[object] = (),
+        torch_layers: Sequence[Any] | None = None,
+        wrapper: WrapperFormat = "auto",
+        wait_host: bool = False,
+    ) -> None:
+        """Use :meth:`allocate`, :meth:`from_torch` or :meth:`from_pointers`."""
+        self.geometry = geometry
+        self.device = device
+        self.wrapper_format: WrapperFormat = _check_wrapper(wrapper)
+        #: Also block the host in end_transfer until the server's copy is done.
+        self.wait_host = bool(wait_host)
+        self._driver = driver
+        self._exports = list(exports)
+        # What keeps the memory alive: our DeviceAllocations, or the caller's tensors.
+        # One owner per layer (allocate), or a single keepalive object (from_*).
+        self._owners: list[object] = list(owners)
+        # from_torch: the caller's own tensors are the torch views.
+        self._torch_layers: list[Any] | None = None if torch_layers is None else list(
+            torch_layers)
+        with on_device(driver, device):
+            self.device_uuid = driver.device_info(device).uuid
+        self._closed = False
+
+    # ------------------------------------------------------------ builders
+    @classmethod
+    def allocate(
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: str = "bfloat16",
+        mla: bool = False,
+        device: int = 0,
+        wrapper: WrapperFormat = "auto",
+        wait_host: bool = False,
+        driver: CudaDriver | None = None,
+    ) -> CudaKVCache:
+        """Allocate ``num_layers`` zero-filled layers on ``device``, one ``cudaMalloc``
+        each, so every layer is the base of its own allocation (every form can carry
+        it)."""
+        geometry = _geometry(num_layers, num_blocks, block_size, num_heads, head_dim,
+                             dtype, mla)
+        device = check_device_index(device)
+        wrapper = _check_wrapper(wrapper)
+        drv = driver if driver is not None else get_driver()
+        allocations: list[DeviceAllocation] = []
+        with on_device(drv, device):
+            try:
+                for _ in range(num_layers):
+                    ptr = drv.malloc(geometry.layer_nbytes)
+                    allocations.append(DeviceAllocation(drv, device, ptr,
+                                                        geometry.layer_nbytes))
+                    drv.memset(ptr, 0, geometry.layer_nbytes)
+                # cudaMemset is asynchronous to the host; finish before handing out.
+                drv.synchronize_device()
+                exports = [export_allocation(a.ptr, a.nbytes, driver=drv) for a in allocations]
+            except BaseException:
+                for a in allocations:
+                    a.free()
+                raise
+        return cls(geometry, device, exports, driver=drv, owners=allocations,
+                   wrapper=wrapper, wait_host=wait_host)
+
+    @classmethod
+    def from_pointers(
+        cls,
+        ptrs: Sequence[int],
+        *,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: str = "bfloat16",
+        mla: bool = False,
+        device: int = 0,
+        keepalive: object = None,
+        wrapper: WrapperFormat = "auto",
+        wait_host: bool = False,
+        driver: CudaDriver | None = None,
+        torch_layers: Sequence[Any] | None = None,
+    ) -> CudaKVCache:
+        """Register memory the caller owns, one device pointer per layer (contiguous,
+        HND or MLA as in the class docstring). ``keepalive`` is held until close;
+        ``torch_layers``, if given, are returned by :attr:`torch_layers`. A pointer may
+        sit inside a larger allocation (PyTorch's caching allocator): every form but
+        LMCache 0.5.3's ``raw`` carries the offset, and that one refuses at REGISTER."""
+        ptrs = list(ptrs)
+        if not ptrs:
+            raise InvalidArgument("ptrs must hold one device pointer per layer (got none)")
+        geometry = _geometry(len(ptrs), num_blocks, block_size, num_heads, head_dim, dtype,
+                             mla)
+        device = check_device_index(device)
+        wrapper = _check_wrapper(wrapper)
+        drv = driver if driver is not None else get_driver()
+        with on_device(drv, device):
+            exports = []
+            for i, ptr in enumerate(ptrs):
+                try:
+                    exp = export_allocation(ptr, geometry.layer_nbytes, driver=drv,
+                                            allow_offset=True)
+                except InvalidArgument as exc:
+                    raise InvalidArgument(f"layer {i}: {exc}") from None
+                if exp.device != device:
+                    raise InvalidArgument(
+                        f"layer {i} is on device {exp.device}, not device {device}: pass "
+                        f"device={exp.device}, or one cache per device")
+                exports.append(exp)
+        return cls(geometry, device, exports, driver=drv,
+                   owners=[] if keepalive is None else [keepalive],
+                   torch_layers=torch_layers, wrapper=wrapper, wait_host=wait_host)
+
+    @classmethod
+    def from_torch(
+        cls,
+        layers: Sequence[Any],
+        *,
+        mla: bool = False,
+        wrapper: WrapperFormat = "auto",
+        wait_host: bool = False,
+        driver: CudaDriver | None = None,
+    ) -> CudaKVCache:
+        """Register caller-owned CUDA torch tensors, one per layer: contiguous HND
+        ``[2, num_blocks, num_heads, block_size, head_dim]`` (``mla=True``:
+        ``[num_blocks, block_size, head_dim]``), same shape, dtype and device."""
+        layers = list(layers)
+        dtype, (num_blocks, num_heads, block_size, head_dim), index = torch_layer_layout(
+            layers, mla)
+        return cls.from_pointers(
+            [int(t.data_ptr()) for t in layers], num_blocks=num_blocks,
+            block_size=block_size, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
+            mla=mla, device=index, keepalive=layers,
+            wrapper=wrapper, wait_host=wait_host, driver=driver, torch_layers=layers)
+
+    # --------------------------------------------------------------- views
+    @property
+    def layer_ptrs(self) -> list[int]:
+        """Each layer's device address."""
+        return [e.ptr for e in self._exports]
+
+    @property
+    def exports(self) -> list[ExportedAllocation]:
+        return list(self._exports)
+
+    @property
+    def torch_layers(self) -> list[Any]:
+        """The layers as CUDA torch tensors over the same memory (needs torch with
+        CUDA). Tensors handed out keep the memory alive after :meth:`close`."""
+        self._check_open()
+        if self._torch_layers is None:
+            owners = self._owners
+            try:
+                import torch
+            except ImportError:
+                raise InvalidArgument(
+                    "torch is not installed: use .layer_ptrs, or install torch") from None
+            g = self.geometry
+            tdtype = getattr(torch, g.dtype)
+            dev = torch.device("cuda", self.device)
+            layers = []
+            for i, e in enumerate(self._exports):
+                owner = owners[i] if len(owners) == len(self._exports) else self
+                view = CudaArrayView(owner, e.ptr, g.layer_nbytes)
+                layers.append(torch.as_tensor(view, device=dev).view(tdtype).view(g.layer_shape))
+            self._torch_layers = layers
+        return self._torch_layers
+
+    @property
+    def unlinked(self) -> bool:
+        # CUDA handles stay valid until the memory is freed: a cache can be registered
+        # again after an unregister.
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this CudaKVCache is closed; allocate a new one")
+
+    # ------------------------------------------------ ExportableKVCache
+    def export_layers(self) -> list[LayerExport]:
+        self._check_open()
+        g = self.geometry
+        return [
+            CudaLayerExport(ipc_handle=e.handle, nbytes=g.layer_nbytes, alloc_offset=e.offset,
+                            dtype=g.dtype, shape=g.layer_shape, stride=g.layer_strides,
+                            device_index=self.device, device_uuid=self.device_uuid,
+                            form=self.wrapper_format)
+            for e in self._exports
+        ]
+
+    @property
+    def kv_layout(self) -> KVLayout | None:
+        # GPU servers default to NHD for 5-D layers: say HND. MLA has no head axis.
+        return None if self.geometry.mla else "HND"
+
+    def _stream(self, stream: Any) -> int:
+        return default_stream(self.device) if stream is None else stream_handle(stream)
+
+    def begin_transfer(self, stream: Any) -> tuple[bytes, Any]:
+        """Record a fresh interprocess event on ``stream``: the server's copy waits
+        for it. Returns its 64-byte handle and the event (kept until the reply)."""
+        self._check_open()
+        drv = self._driver
+        with on_device(drv, self.device):
+            # Resolved here, on the device, and kept: the reply's wait must go on the
+            # same stream even if the reply is handled on another thread.
+            handle_of_stream = self._stream(stream)
+            token = TransferEvent(drv, self.device, drv.event_create_ipc(), handle_of_stream)
+            try:
+                drv.event_record(token.event, handle_of_stream)
+                token.handle = drv.ipc_get_event_handle(token.event)
+            except BaseException:
+                token.destroy()
+                raise
+        return token.handle, token
+
+    def end_transfer(self, server_event: bytes, stream: Any, token: Any) -> None:
+        """Make the stream wait for the server's copy (its event handle, opened for this
+        reply only), then destroy our event; with ``wait_host`` also block until the
+        copy is done."""
+        try:
+            handle = check_server_event(server_event)
+            drv = self._driver
+            with on_device(drv, self.device):
+                if stream is None and isinstance(token, TransferEvent):
+                    handle_of_stream = token.stream
+                else:
+                    handle_of_stream = self._stream(stream)
+                self._wait_server_event(handle, handle_of_stream)
+                if self.wait_host:
+                    drv.stream_synchronize(handle_of_stream)
+        finally:
+            if isinstance(token, TransferEvent):
+                token.destroy()
+
+    def _wait_server_event(self, handle: bytes, stream: int) -> None:
+        drv = self._driver
+        event = drv.ipc_open_event_handle(handle)
+        try:
+            drv.stream_wait_event(stream, event)
+        finally:
+            # The wait is enqueued: CUDA keeps what it needs until the wait is done.
+            drv.event_destroy(event)
+
+    def synchronize_server_event(self, handle: bytes) -> None:
+        """Block the host until the server's event ``handle`` (a STORE / RETRIEVE
+        reply's) has completed; opened, waited on and destroyed like a reply's."""
+        check_server_event(handle)
+        drv = self._driver
+        with on_device(drv, self.device):
+            event = drv.ipc_open_event_handle(handle)
+            try:
+                drv.event_synchronize(event)
+            finally:
+                drv.event_destroy(event)
+
+    def synchronize(self, stream: Any = None) -> None:
+        """Block the host until ``stream`` (None: as for transfers) has done everything
+        queued on it, including the waits on the server's copies."""
+        with on_device(self._driver, self.device):
+            self._driver.stream_synchronize(self._stream(stream))
+
+    # ------------------------------------------------------------ lifetime
+    def unlink(self) -> None:
+        """A no-op: CUDA memory stays exportable until it is freed by :meth:`close`."""
+        return None
+
+    def close(self) -> None:
+        """Drop our references to the memory: memory from :meth:`allocate` is freed
+        now, or when the last torch view of it goes. Idempotent."""
+        self._torch_layers = None
+        self._owners = []
+        self._closed = True
+
+    def __enter__(self) -> CudaKVCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        state = "closed" if self.closed else "open"
+        return (f"<CudaKVCache cuda:{self.device} {g.num_layers} x {g.layer_shape} {g.dtype}"
+                f"{' MLA' if g.mla else ''} {self.wrapper_format} {state}>")

@@ -1,0 +1,380 @@
+"""Every CUDA call the CUDA cache makes, behind a small driver object.
+
+:class:`CudaDriver` is the protocol; :class:`CudaBindingsDriver` implements it over
+cuda-python (imported on first use only), and the tests pass a fake. Also here: the
+handle / UUID byte helpers, which must cope with every cuda-bindings layout
+(``.reserved`` up to 13.3, ``getPtr()`` only from 13.4).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import uuid as _uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ...errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
+
+__all__ = [
+    "IPC_HANDLE_SIZE",
+    "TIMELINE_EVENT_HANDLE_SIZE",
+    "CudaError",
+    "CudaUnavailable",
+    "UnsupportedServerEvent",
+    "DeviceInfo",
+    "CudaDriver",
+    "CudaBindingsDriver",
+    "get_driver",
+    "torch_uuid_string",
+    "handle_bytes",
+    "write_handle_bytes",
+    "uuid_bytes",
+]
+
+IPC_HANDLE_SIZE = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t are both 64 bytes
+#: LMCache 0.5.5+ ``--isolated-ipc`` servers answer with timeline-semaphore events:
+#: ``struct.pack("!B64sQQ", 1, mem_handle, slot_offset, seq)``
+#: (``platform/cuda/timeline_semaphore_event_ipc.py`` ``_EXPORT_STRUCT``).
+TIMELINE_EVENT_HANDLE_SIZE = 81
+
+# cudaEventInterprocess | cudaEventDisableTiming: IPC events must not record timing.
+EVENT_INTERPROCESS = 0x04
+EVENT_DISABLE_TIMING = 0x02
+CU_MEMORYTYPE_DEVICE = 2
+
+
+# ---------------------------------------------------------------------- errors
+class CudaError(LMCacheMPError):
+    """A CUDA call failed; ``call`` and ``code`` say which and how."""
+
+    def __init__(self, message: str, *, call: str = "", code: int | None = None) -> None:
+        super().__init__(message)
+        self.call = call
+        self.code = code
+
+
+class CudaUnavailable(CudaError):
+    """No usable CUDA here: cuda-python missing, no driver, or no device."""
+
+
+class UnsupportedServerEvent(CudaError, ProtocolMismatch):
+    """A STORE / RETRIEVE reply carried a completion event this client cannot wait on
+    (a CPU-mode server's stub, or an ``--isolated-ipc`` timeline-semaphore event)."""
+
+
+# Error names meaning "no CUDA on this machine" rather than "this call was wrong".
+_ABSENT_ERRORS = (
+    "cudaErrorNoDevice", "cudaErrorInsufficientDriver", "cudaErrorStubLibrary",
+    "cudaErrorSystemDriverMismatch", "CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_STUB_LIBRARY",
+    "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
+)
+
+
+# ------------------------------------------------------------ pure helpers
+def torch_uuid_string(uuid16: bytes) -> str:
+    """The device UUID as torch prints it (``str(get_device_properties(i).uuid)``):
+    lower-case 8-4-4-4-12 hex, no ``GPU-`` prefix. LMCache servers map a client's
+    ``device_uuid`` to their own ordinal by comparing with exactly this string."""
+    if not isinstance(uuid16, (bytes, bytearray)) or len(uuid16) != 16:
+        raise InvalidArgument(f"a CUDA device UUID is 16 bytes, got {uuid16!r}")
+    return str(_uuid.UUID(bytes=bytes(uuid16)))
+
+
+def _as_bytes(value: object) -> bytes:
+    """bytes from what the bindings return for a char array: bytes, a latin-1 str, or
+    a sequence of (possibly signed) C chars."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode("latin-1")
+    if isinstance(value, Sequence):
+        return bytes(int(v) & 0xFF for v in value)
+    raise TypeError(f"cannot read bytes from {type(value).__name__}")
+
+
+def _struct_address(struct: object) -> int:
+    get_ptr = getattr(struct, "getPtr", None)
+    if get_ptr is None:
+        raise TypeError(f"{type(struct).__name__} has neither .reserved nor .getPtr()")
+    address = int(get_ptr())
+    if not address:
+        raise TypeError(f"{type(struct).__name__}.getPtr() returned NULL")
+    return address
+
+
+def handle_bytes(struct: object, size: int = IPC_HANDLE_SIZE) -> bytes:
+    """The raw bytes of a cuda-bindings handle struct (``cudaIpcMemHandle_t``,
+    ``cudaIpcEventHandle_t``). cuda-bindings up to 13.3 expose them as ``.reserved``;
+    13.4 dropped that attribute (runtime.pxd: ``cudaIpcMemHandle_st`` lists no field),
+    so otherwise read ``size`` bytes at ``getPtr()``."""
+    reserved = getattr(struct, "reserved", None)
+    data = _as_bytes(reserved) if reserved is not None else ctypes.string_at(
+        _struct_address(struct), size)
+    if len(data) != size:
+        raise CudaError(f"expected a {size}-byte handle, got {len(data)} bytes")
+    return data
+
+
+def write_handle_bytes(struct: object, data: bytes, size: int = IPC_HANDLE_SIZE) -> None:
+    """Fill a handle struct with ``data`` (``.reserved`` when the bindings have it,
+    else through ``getPtr()``)."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) != size:
+        raise InvalidArgument(f"a CUDA IPC handle is {size} bytes, got {data!r:.80}")
+    if getattr(struct, "reserved", None) is not None:
+        struct.reserved = bytes(data)  # type: ignore[attr-defined]
+        return
+    ctypes.memmove(_struct_address(struct), bytes(data), size)
+
+
+def uuid_bytes(uuid_struct: object) -> bytes:
+    """The 16 bytes of a ``cudaUUID_t`` / ``CUuuid`` (``.bytes``, else its pointer)."""
+    raw = getattr(uuid_struct, "bytes", None)
+    data = _as_bytes(raw) if raw is not None else ctypes.string_at(
+        _struct_address(uuid_struct), 16)
+    if len(data) != 16:
+        raise CudaError(f"a CUDA device UUID is 16 bytes, got {len(data)}")
+    return data
+
+
+# ------------------------------------------------------------------- driver
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    uuid: str  # torch form
+    total_memory: int
+    compute_capability: tuple[int, int]
+
+
+class CudaDriver(Protocol):
+    """The CUDA calls the cache makes. Streams are raw handles (ints); events are
+    whatever the implementation returns."""
+
+    def bindings_version(self) -> str: ...
+    def driver_version(self) -> int: ...
+    def runtime_version(self) -> int: ...
+    def device_count(self) -> int: ...
+    def device_info(self, device: int) -> DeviceInfo: ...
+    def get_device(self) -> int: ...
+    def set_device(self, device: int) -> None: ...
+    def current_context(self) -> int: ...
+    def malloc(self, nbytes: int) -> int: ...
+    def free(self, ptr: int) -> None: ...
+    def memset(self, ptr: int, value: int, nbytes: int) -> None: ...
+    def synchronize_device(self) -> None: ...
+    def address_range(self, ptr: int) -> tuple[int, int]: ...
+    def pointer_attribute(self, ptr: int, name: str) -> int | None: ...
+    def pointer_device(self, ptr: int) -> int | None: ...
+    def ipc_get_mem_handle(self, ptr: int) -> bytes: ...
+    def event_create_ipc(self) -> Any: ...
+    def event_record(self, event: Any, stream: int) -> None: ...
+    def ipc_get_event_handle(self, event: Any) -> bytes: ...
+    def ipc_open_event_handle(self, handle: bytes) -> Any: ...
+    def stream_wait_event(self, stream: int, event: Any) -> None: ...
+    def event_synchronize(self, event: Any) -> None: ...
+    def event_destroy(self, event: Any) -> None: ...
+    def stream_synchronize(self, stream: int) -> None: ...
+
+
+def _error_name(err: object) -> str:
+    return str(getattr(err, "name", err))
+
+
+class CudaBindingsDriver:
+    """:class:`CudaDriver` over cuda-python (``cuda.bindings``; ``cuda.cudart`` /
+    ``cuda.cuda`` for cuda-python < 12.6)."""
+
+    def __init__(self) -> None:
+        try:
+            import cuda.bindings as bindings
+            from cuda.bindings import driver as cu
+            from cuda.bindings import runtime as rt
+
+            version = str(getattr(bindings, "__version__", "?"))
+        except ImportError as exc:
+            if exc.name not in ("cuda", "cuda.bindings"):
+                # Installed but broken (e.g. a missing cuda-pathfinder): say what broke.
+                raise CudaUnavailable(f"cuda-python does not import: {exc}") from exc
+            try:
+                from cuda import cuda as cu
+                from cuda import cudart as rt
+            except ImportError:
+                raise CudaUnavailable(
+                    "cuda-python is not installed (pip install 'lmcache-mp[cuda]')"
+                ) from None
+            version = "cuda-python < 12.6"
+        self._cu: Any = cu
+        self._rt: Any = rt
+        self._version = version
+        self._init_lock = threading.Lock()
+        self._driver_ready = False
+
+    # -- call plumbing
+    def _check(self, call: str, result: Any) -> tuple[Any, ...]:
+        if not isinstance(result, tuple):
+            result = (result,)
+        err, rest = result[0], result[1:]
+        if int(err) != 0:
+            name = _error_name(err)
+            cls = CudaUnavailable if name in _ABSENT_ERRORS else CudaError
+            raise cls(f"{call} failed: {name} ({int(err)})", call=call, code=int(err))
+        return tuple(rest)
+
+    def _rt_call(self, call: str, *args: Any) -> tuple[Any, ...]:
+        try:
+            result = getattr(self._rt, call)(*args)
+        except LMCacheMPError:
+            raise
+        except Exception as exc:  # the bindings raise (not return) when libcuda is missing
+            raise CudaUnavailable(f"{call}: {exc}", call=call) from exc
+        return self._check(call, result)
+
+    def _cu_call(self, call: str, *args: Any) -> tuple[Any, ...]:
+        self._ensure_driver()
+        try:
+            result = getattr(self._cu, call)(*args)
+        except Exception as exc:
+            raise CudaUnavailable(f"{call}: {exc}", call=call) from exc
+        return self._check(call, result)
+
+    def _ensure_driver(self) -> None:
+        # Driver-API calls need cuInit first; the runtime calls do it themselves.
+        if self._driver_ready:
+            return
+        with self._init_lock:
+            if not self._driver_ready:
+                try:
+                    result = self._cu.cuInit(0)
+                except Exception as exc:
+                    raise CudaUnavailable(f"cuInit: {exc}", call="cuInit") from exc
+                self._check("cuInit", result)
+                self._driver_ready = True
+
+    # -- versions and devices
+    def bindings_version(self) -> str:
+        return self._version
+
+    def driver_version(self) -> int:
+        return int(self._rt_call("cudaDriverGetVersion")[0])
+
+    def runtime_version(self) -> int:
+        return int(self._rt_call("cudaRuntimeGetVersion")[0])
+
+    def device_count(self) -> int:
+        return int(self._rt_call("cudaGetDeviceCount")[0])
+
+    def device_info(self, device: int) -> DeviceInfo:
+        (prop,) = self._rt_call("cudaGetDeviceProperties", device)
+        name = _as_bytes(prop.name).split(b"\0", 1)[0].decode(errors="replace")
+        return DeviceInfo(device, name, torch_uuid_string(uuid_bytes(prop.uuid)),
+                          int(prop.totalGlobalMem), (int(prop.major), int(prop.minor)))
+
+    def get_device(self) -> int:
+        return int(self._rt_call("cudaGetDevice")[0])
+
+    def set_device(self, device: int) -> None:
+        self._rt_call("cudaSetDevice", device)
+
+    def current_context(self) -> int:
+        (ctx,) = self._cu_call("cuCtxGetCurrent")
+        return 0 if ctx is None else int(ctx)
+
+    # -- memory
+    def malloc(self, nbytes: int) -> int:
+        return int(self._rt_call("cudaMalloc", nbytes)[0])
+
+    def free(self, ptr: int) -> None:
+        self._rt_call("cudaFree", ptr)
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        self._rt_call("cudaMemset", ptr, value, nbytes)
+
+    def synchronize_device(self) -> None:
+        self._rt_call("cudaDeviceSynchronize")
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        base, size = self._cu_call("cuMemGetAddressRange", ptr)
+        return int(base), int(size)
+
+    def pointer_attribute(self, ptr: int, name: str) -> int | None:
+        """An integer pointer attribute (``CU_POINTER_ATTRIBUTE_<name>``), or None when
+        the bindings or the driver do not know it, or the pointer is not CUDA's.
+
+        Not for ``DEVICE_ORDINAL``: cuda-bindings 13.3.x-13.4.1 store it in one field
+        and return another (``_lib/utils.pxi``: ``self._cptr = &self._int`` but
+        ``pyObj()`` returns ``self._uint``), so it reads 0 whatever the device; fixed
+        in 13.4.4. Use :meth:`pointer_device`."""
+        if name == "DEVICE_ORDINAL":
+            raise InvalidArgument("read a pointer's device with pointer_device()")
+        attr = getattr(self._cu.CUpointer_attribute, f"CU_POINTER_ATTRIBUTE_{name}", None)
+        if attr is None:
+            return None
+        self._ensure_driver()
+        try:
+            result = self._cu.cuPointerGetAttribute(attr, ptr)
+        except Exception:
+            return None
+        if int(result[0]) != 0:
+            return None
+        value = result[1]
+        return 0 if value is None else int(value)
+
+    def pointer_device(self, ptr: int) -> int | None:
+        """The ordinal of the device holding ``ptr`` (``cudaPointerGetAttributes``'s
+        ``device``, a plain int field in every bindings release), or None if CUDA does
+        not know the pointer."""
+        try:
+            err, attrs = self._rt.cudaPointerGetAttributes(ptr)
+        except Exception:
+            return None
+        if int(err) != 0 or attrs is None:
+            return None
+        return int(attrs.device)
+
+    def ipc_get_mem_handle(self, ptr: int) -> bytes:
+        (handle,) = self._rt_call("cudaIpcGetMemHandle", ptr)
+        return handle_bytes(handle)
+
+    # -- events and streams
+    def event_create_ipc(self) -> Any:
+        return self._rt_call("cudaEventCreateWithFlags",
+                             EVENT_INTERPROCESS | EVENT_DISABLE_TIMING)[0]
+
+    def event_record(self, event: Any, stream: int) -> None:
+        self._rt_call("cudaEventRecord", event, stream)
+
+    def ipc_get_event_handle(self, event: Any) -> bytes:
+        (handle,) = self._rt_call("cudaIpcGetEventHandle", event)
+        return handle_bytes(handle)
+
+    def ipc_open_event_handle(self, handle: bytes) -> Any:
+        struct = self._rt.cudaIpcEventHandle_t()
+        write_handle_bytes(struct, handle)
+        return self._rt_call("cudaIpcOpenEventHandle", struct)[0]
+
+    def stream_wait_event(self, stream: int, event: Any) -> None:
+        self._rt_call("cudaStreamWaitEvent", stream, event, 0)
+
+    def event_synchronize(self, event: Any) -> None:
+        self._rt_call("cudaEventSynchronize", event)
+
+    def event_destroy(self, event: Any) -> None:
+        self._rt_call("cudaEventDestroy", event)
+
+    def stream_synchronize(self, stream: int) -> None:
+        self._rt_call("cudaStreamSynchronize", stream)
+
+
+_driver_lock = threading.Lock()
+_default_driver: CudaDriver | None = None
+
+
+def get_driver() -> CudaDriver:
+    """The process-wide cuda-python driver (CudaUnavailable without cuda-python)."""
+    global _default_driver
+    with _driver_lock:
+        if _default_driver is None:
+            _default_driver = CudaBindingsDriver()
+        return _default_driver

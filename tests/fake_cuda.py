@@ -1,0 +1,159 @@
+"""A CudaDriver double for machines without a GPU (used by the CUDA cache tests).
+
+It models allocations on several devices, per-thread context state and events, and
+records every call, so tests can check the event protocol (what was opened, waited on
+and destroyed, on which stream) and the error paths. ``DEVICE_ORDINAL`` reads 0 for
+every pointer, as it does on cuda-bindings 13.3.x-13.4.1, so code that still trusted
+it would fail the multi-device tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaError, DeviceInfo, torch_uuid_string
+
+UUID16 = bytes.fromhex("1f2e3d4c5b6a7988a7b6c5d4e3f2a1b0")
+UUID_STR = "1f2e3d4c-5b6a-7988-a7b6-c5d4e3f2a1b0"
+
+
+class FakeDriver:
+    """``kinds`` of allocation: "malloc" (legacy IPC ok), "vmm" (cuMemCreate), "pool"
+    (cudaMallocAsync), "host"."""
+
+    def __init__(self, devices: int = 1) -> None:
+        self.devices = devices
+        self.device = 0
+        self.context = 1  # a current context; 0 models a fresh thread
+        self.allocs: dict[int, tuple[int, int, str]] = {}  # base -> (size, device, kind)
+        self.freed: list[int] = []
+        self.next_ptr = 0x7F00_0000_0000
+        self.events: dict[int, dict[str, Any]] = {}
+        self.next_event = 1
+        self.calls: list[tuple[Any, ...]] = []
+        self.opened: dict[bytes, int] = {}  # server handle -> times opened
+        self.set_device_calls: list[int] = []
+
+    # versions / devices
+    def bindings_version(self) -> str:
+        return "fake"
+
+    def driver_version(self) -> int:
+        return 13000
+
+    def runtime_version(self) -> int:
+        return 13000
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def device_info(self, device: int) -> DeviceInfo:
+        raw = bytes([device]) + UUID16[1:]
+        return DeviceInfo(device, f"Fake GPU {device}", torch_uuid_string(raw), 1 << 30, (9, 0))
+
+    def get_device(self) -> int:
+        return self.device
+
+    def set_device(self, device: int) -> None:
+        self.set_device_calls.append(device)
+        self.device = device
+        self.context = 100 + device
+
+    def current_context(self) -> int:
+        return self.context
+
+    # memory
+    def add_alloc(self, size: int, kind: str = "malloc", device: int | None = None) -> int:
+        base = self.next_ptr
+        self.next_ptr += (size + 0xFFFFF) & ~0xFFFFF
+        self.allocs[base] = (size, self.device if device is None else device, kind)
+        return base
+
+    def malloc(self, nbytes: int) -> int:
+        self.calls.append(("malloc", nbytes, self.device))
+        return self.add_alloc(nbytes)
+
+    def free(self, ptr: int) -> None:
+        assert ptr in self.allocs and ptr not in self.freed
+        self.calls.append(("free", ptr, self.device))
+        self.freed.append(ptr)
+
+    def memset(self, ptr: int, value: int, nbytes: int) -> None:
+        self.calls.append(("memset", ptr, value, nbytes))
+
+    def synchronize_device(self) -> None:
+        self.calls.append(("sync_device",))
+
+    def _find(self, ptr: int) -> tuple[int, int, int, str] | None:
+        for base, (size, dev, kind) in self.allocs.items():
+            if base <= ptr < base + size and base not in self.freed:
+                return base, size, dev, kind
+        return None
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        found = self._find(ptr)
+        if found is None:
+            raise CudaError("cuMemGetAddressRange failed: CUDA_ERROR_NOT_FOUND", code=500)
+        return found[0], found[1]
+
+    def pointer_attribute(self, ptr: int, name: str) -> int | None:
+        found = self._find(ptr)
+        if found is None:
+            return None
+        _, _, _, kind = found
+        return {
+            "MEMORY_TYPE": 1 if kind == "host" else 2,
+            "IS_LEGACY_CUDA_IPC_CAPABLE": int(kind == "malloc"),
+            "MEMPOOL_HANDLE": 0xABC if kind == "pool" else 0,
+            "IS_MANAGED": 0,
+            "DEVICE_ORDINAL": 0,  # the cuda-bindings 13.3.x-13.4.1 bug
+        }.get(name)
+
+    def pointer_device(self, ptr: int) -> int | None:
+        found = self._find(ptr)
+        return None if found is None else found[2]
+
+    def ipc_get_mem_handle(self, ptr: int) -> bytes:
+        assert ptr in self.allocs, "always exported at the base"
+        self.calls.append(("ipc_mem", ptr))
+        return ptr.to_bytes(8, "little") * 8
+
+    # events
+    def event_create_ipc(self) -> int:
+        ev = self.next_event
+        self.next_event += 1
+        self.events[ev] = {"kind": "ours", "destroyed": False, "recorded_on": None,
+                           "device": self.device}
+        return ev
+
+    def event_record(self, event: int, stream: int) -> None:
+        self.events[event]["recorded_on"] = stream
+
+    def ipc_get_event_handle(self, event: int) -> bytes:
+        return b"E" + event.to_bytes(8, "little") + bytes(IPC_HANDLE_SIZE - 9)
+
+    def ipc_open_event_handle(self, handle: bytes) -> int:
+        assert len(handle) == IPC_HANDLE_SIZE
+        self.opened[handle] = self.opened.get(handle, 0) + 1
+        ev = self.next_event
+        self.next_event += 1
+        self.events[ev] = {"kind": "opened", "handle": handle, "destroyed": False,
+                           "device": self.device}
+        self.calls.append(("open", handle, self.device))
+        return ev
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        assert not self.events[event]["destroyed"], "waited on a destroyed event"
+        self.calls.append(("wait", stream, self.events[event].get("handle")))
+
+    def event_synchronize(self, event: int) -> None:
+        assert not self.events[event]["destroyed"]
+        self.calls.append(("event_sync", self.events[event].get("handle")))
+
+    def event_destroy(self, event: int) -> None:
+        assert not self.events[event]["destroyed"], "destroyed twice"
+        self.events[event]["destroyed"] = True
+        self.calls.append(("destroy", self.events[event].get("handle", event)))
+
+    def stream_synchronize(self, stream: int) -> None:
+        self.calls.append(("stream_sync", stream))
