@@ -191,9 +191,13 @@ class Client(ControlPlane, InstanceIdAPI):
                         f"tokens per block; the server would refuse this cache")
             layout = TransferLayout(iid, model_name, world_size, chunk, groups, g.block_size,
                                     g.num_blocks)
-            first: Mode = "lmcache" if chosen == "lmcache" else "engine"
+            # "auto" tries engine-driven only for a CPU cache: a GPU cache is copied by
+            # the server (this client's copies go through host memory).
+            try_engine = chosen == "engine" or (chosen == "auto"
+                                                and isinstance(kv_cache, CpuKVCache))
+            first: Mode = "engine" if try_engine else "lmcache"
             reg = Registration(self._registry, kv_cache, first, layout, worker_id)
-            reg._establish(deadline, fall_back=chosen == "auto")
+            reg._establish(deadline, fall_back=chosen == "auto" and try_engine)
             self._registry.add(reg)
         except BaseException:
             self._registry.release(iid)

@@ -338,3 +338,32 @@ def test_every_blocking_call_has_an_async_twin() -> None:
     fut = Client.noop_async
     assert "ReplyFuture" in str(inspect.signature(fut).return_annotation)
     assert ReplyFuture.completed(3).result() == 3
+
+
+def test_cuda_registration_is_re_sent_from_the_heartbeat_without_cuda_calls(
+        fake: FakeServer) -> None:
+    """A GPU registration is re-sent by the heartbeat thread, which has no CUDA context:
+    the handles exported at registration are sent again, and no CUDA call is made."""
+    from lmcache_mp.ipc.cuda import CudaKVCache
+
+    from .fake_cuda import FakeDriver
+
+    drv = FakeDriver()
+    cache = CudaKVCache.allocate(num_layers=2, num_blocks=8, block_size=16, num_heads=2,
+                                 head_dim=64, dtype="bfloat16", driver=drv)
+    recovered: list[Registration] = []
+    try:
+        with Client(fake.url, protocol="0.5.3", heartbeat_interval=0.05,
+                    on_recovered=recovered.append) as c:
+            reg = c.register(cache, model_name="gpu")
+            assert reg.mode == "lmcache"  # GPU caches: the server copies
+            (first,) = fake.requests("REGISTER_KV_CACHE")
+            calls = len(drv.calls)
+            restart(fake, c)
+            assert wait_until(lambda: recovered == [reg])  # the heartbeat re-registered
+            second = fake.requests("REGISTER_KV_CACHE")[-1]
+            assert second.payloads == first.payloads  # same handles, same wrappers
+            assert len(drv.calls) == calls, drv.calls[calls:]
+            reg.unregister()
+    finally:
+        cache.close()
