@@ -96,6 +96,17 @@ def per_call_us(fn: Callable[[], object], n: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def p50_us(fn: Callable[[], object], n: int) -> float:
+    """The median of ``n`` single-call latencies (each call timed on its own)."""
+    clock = time.perf_counter_ns
+    times = []
+    for _ in range(n):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times) / 1e3
+
+
 def pipelined_rps(submit: Callable[[], object], n: int) -> float:
     start = time.perf_counter()
     futures = [submit() for _ in range(n)]
@@ -154,6 +165,8 @@ def main() -> int:
         results: dict[str, list[float]] = {k: [] for k in (
             "noop_us.bare", "noop_us.ours", "noop_us.ours_registered_hb10s",
             "noop_us.ours_registered_hb50ms", "noop_us.lmcache",
+            "noop_p50_us.ours", "noop_p50_us.ours_registered_hb10s",
+            "noop_p50_us.ours_registered_hb50ms",
             "lookup4096_us.ours", "lookup4096_us.lmcache",
             "pipelined_rps.ours", "pipelined_rps.lmcache")}
         for _ in range(args.rounds):
@@ -162,6 +175,9 @@ def main() -> int:
             results["noop_us.ours_registered_hb10s"].append(per_call_us(ours_hb.noop, args.calls))
             results["noop_us.ours_registered_hb50ms"].append(
                 per_call_us(ours_fast_hb.noop, args.calls))
+            for name, c in (("ours", ours), ("ours_registered_hb10s", ours_hb),
+                            ("ours_registered_hb50ms", ours_fast_hb)):
+                results[f"noop_p50_us.{name}"].append(p50_us(c.noop, args.calls))
             results["noop_us.lmcache"].append(per_call_us(lm_noop, args.calls))
             results["lookup4096_us.ours"].append(per_call_us(our_lookup, args.calls // 4))
             results["lookup4096_us.lmcache"].append(per_call_us(their_lookup, args.calls // 4))
@@ -171,10 +187,10 @@ def main() -> int:
         ratios = {
             "noop ours/bare (latency, lower is better)": med["noop_us.ours"] / med["noop_us.bare"],
             "noop ours/lmcache (latency)": med["noop_us.ours"] / med["noop_us.lmcache"],
-            "noop with a registration, 10 s heartbeat / none (latency)":
-                med["noop_us.ours_registered_hb10s"] / med["noop_us.ours"],
-            "noop with a registration, 50 ms heartbeat / none (latency)":
-                med["noop_us.ours_registered_hb50ms"] / med["noop_us.ours"],
+            "noop p50 with a registration, 10 s heartbeat / none":
+                med["noop_p50_us.ours_registered_hb10s"] / med["noop_p50_us.ours"],
+            "noop p50 with a registration, 50 ms heartbeat / none":
+                med["noop_p50_us.ours_registered_hb50ms"] / med["noop_p50_us.ours"],
             "lookup4096 ours/lmcache (latency)": med["lookup4096_us.ours"] / med["lookup4096_us.lmcache"],
             "pipelined ours/lmcache (throughput, higher is better)":
                 med["pipelined_rps.ours"] / med["pipelined_rps.lmcache"],
