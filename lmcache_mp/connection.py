@@ -14,8 +14,14 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from .checks import positive_seconds
-from .errors import InvalidArgument, RequestTimeout, ServerUnavailable
+from .checks import positive_seconds, server_url
+from .errors import (
+    InvalidArgument,
+    ProtocolMismatch,
+    RequestTimeout,
+    ServerUnavailable,
+    ServerUnresponsive,
+)
 from .futures import ReplyFuture
 from .keys import CacheKey
 from .protocol import Profile, decode_reply, encode_request, get_profile
@@ -34,18 +40,26 @@ class Connection:
     """The transport plus the profile; thread-safe. Not public: :class:`Client` and
     :class:`Registration` are built on it."""
 
-    def __init__(self, url: str, timeout: float, protocol: str) -> None:
-        if not isinstance(url, str) or "://" not in url:
-            raise InvalidArgument(f"url must look like tcp://host:port, got {url!r}")
-        self.url = url
+    def __init__(self, url: str, timeout: float, protocol: str,
+                 allow_remote: bool = False) -> None:
+        if not isinstance(allow_remote, bool):
+            raise InvalidArgument(f"allow_remote must be a bool, got {allow_remote!r}")
+        self.url = server_url(url, allow_remote)
         self.timeout = positive_seconds("timeout", timeout)
+        if not isinstance(protocol, str):
+            raise InvalidArgument(f"protocol must be 'auto' or a release like '0.5.3', "
+                                  f"got {protocol!r}")
         self.fixed_protocol = protocol != "auto"
+        # An unknown release name is a ProtocolMismatch (a release this client does not
+        # speak), raised here before anything is sent.
         self._profile: Profile | None = get_profile(protocol) if self.fixed_protocol else None
         self._profile_epoch = 0
         self.detection: Detection | None = None
         self._detect_lock = threading.Lock()
         self._chunk: tuple[int, int] | None = None  # (epoch, chunk size)
-        self.transport = Transport(url)
+        self.transport = Transport(self.url)
+        if self._profile is not None:
+            self.transport.liveness.frames = [self._profile.op("NOOP").type_frame]
 
     # ---------------------------------------------------------------- profile
     @property
@@ -63,16 +77,27 @@ class Connection:
                                         or self._profile_epoch == self.transport.epoch):
                 return current
             pending: dict[str, PendingRequest] = {}
+            fence: PendingRequest | None = None
             try:
                 detection = detect(partial(self._probe_exchange, pending), self.url,
                                    timeout=min(self.timeout, 2.0))
+            except RequestTimeout as exc:
+                # Nothing answered, not even the fence (answered on the server's
+                # message thread): the same verdict as a NOOP probe's. The fence stays
+                # out as the probe whose reply, if it comes, lifts the gate.
+                fence = pending.pop("fence", None)
+                if fence is None or not fence.sent or fence.done:
+                    raise
+                self.transport.declare_unresponsive(fence)
+                raise ServerUnresponsive(str(exc)) from None
             finally:
                 for p in pending.values():  # unanswered probes: drop late replies
                     self.transport.cancel(p)
             self.detection = detection
-            self._profile = get_profile(detection.profile)
+            profile = self._profile = get_profile(detection.profile)
+            self.transport.liveness.frames = [profile.op("NOOP").type_frame]
             self._profile_epoch = max(p.sent_epoch for p in pending.values())
-            return self._profile
+            return profile
 
     def _probe_exchange(
         self,
@@ -176,7 +201,10 @@ class Connection:
         op, pending = self.submit("GET_CHUNK_SIZE", (), self.seconds(timeout))
         value = decode_reply(op, self.transport.wait(pending))
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise InvalidArgument(f"server reported an invalid chunk size {value!r}")
+            raise ProtocolMismatch(
+                f"the server at {self.url} reported chunk size {value!r} (GET_CHUNK_SIZE), "
+                f"which no LMCache server uses: check that it is an LMCache MP server and "
+                f"that protocol= matches its release")
         self._chunk = (pending.sent_epoch, value)
         return value
 

@@ -12,6 +12,7 @@ __all__ = [
     "LMCacheMPError",
     "RequestTimeout",
     "ServerUnavailable",
+    "ServerUnresponsive",
     "ClientClosed",
     "ConnectionChanged",
     "ProtocolMismatch",
@@ -29,6 +30,15 @@ class RequestTimeout(LMCacheMPError, TimeoutError):
 
 class ServerUnavailable(LMCacheMPError, ConnectionError):
     """The server could not be reached, or the connection was lost mid-request."""
+
+
+class ServerUnresponsive(ServerUnavailable):
+    """The server accepts the connection but answers nothing: a request went unanswered
+    and so did a NOOP sent after it (NOOP is answered on the server's message thread).
+    Its message thread has most likely died (a malformed message from any client kills
+    it for good), or the process is stopped. Calls then fail at once with this error
+    until the server answers again (probed at most about once a second, and again on
+    every reconnect, so a restarted server is used as soon as it is up)."""
 
 
 class ConnectionChanged(ServerUnavailable):
