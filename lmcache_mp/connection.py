@@ -26,6 +26,7 @@ from .futures import ReplyFuture
 from .keys import CacheKey
 from .protocol import Profile, decode_reply, encode_request, get_profile
 from .protocol.detect import Detection, detect
+from .protocol.detect import _unregister_unknown as unregister_unknown
 from .protocol.operations import Operation
 from .transport import PendingRequest, Transport
 
@@ -65,30 +66,34 @@ class Connection:
     @property
     def profile(self) -> Profile:
         """The server's profile, probing it when not yet known on this connection."""
+        return self.profile_for(None)
+
+    def profile_for(self, seconds: float | None) -> Profile:
+        """:attr:`profile`, probing within ``seconds`` (a call's time left) if needed."""
         p = self._profile
         if p is not None and (self.fixed_protocol or self._profile_epoch == self.transport.epoch):
             return p
-        return self._detect()
+        return self._detect(seconds)
 
-    def _detect(self) -> Profile:
+    def _detect(self, seconds: float | None) -> Profile:
         with self._detect_lock:
             current = self._profile
             if current is not None and (self.fixed_protocol
                                         or self._profile_epoch == self.transport.epoch):
                 return current
             pending: dict[str, PendingRequest] = {}
-            fence: PendingRequest | None = None
             try:
+                budget = min(self.timeout, 2.0, self.timeout if seconds is None else seconds)
                 detection = detect(partial(self._probe_exchange, pending), self.url,
-                                   timeout=min(self.timeout, 2.0))
+                                   timeout=budget)
             except RequestTimeout as exc:
+                fence = pending.get("fence")
+                if fence is None or not fence.sent or any(
+                        p.frames is not None for p in pending.values()):
+                    raise  # something answered: not a silent server
                 # Nothing answered, not even the fence (answered on the server's
-                # message thread): the same verdict as a NOOP probe's. The fence stays
-                # out as the probe whose reply, if it comes, lifts the gate.
-                fence = pending.pop("fence", None)
-                if fence is None or not fence.sent or fence.done:
-                    raise
-                self.transport.declare_unresponsive(fence)
+                # message thread): the same verdict as an unanswered NOOP probe's.
+                self.transport.declare_unresponsive(unregister_unknown())
                 raise ServerUnresponsive(str(exc)) from None
             finally:
                 for p in pending.values():  # unanswered probes: drop late replies
@@ -133,8 +138,15 @@ class Connection:
     def submit(
         self, op_name: str, payloads: Sequence[Any], seconds: float, epoch: int | None = None
     ) -> tuple[Operation, PendingRequest]:
-        """Encode (validating every payload first) and send; nothing is sent on error."""
-        op = self.profile.op(op_name)
+        """Encode (validating every payload first) and send; nothing is sent on error.
+        A protocol probe needed first (a new connection) comes out of ``seconds``."""
+        profile = self._profile
+        if profile is None or not (self.fixed_protocol
+                                   or self._profile_epoch == self.transport.epoch):
+            started = time.monotonic()
+            profile = self._detect(seconds)
+            seconds = max(seconds - (time.monotonic() - started), 0.001)
+        op = profile.op(op_name)
         frames = encode_request(op, payloads)
         return op, self.transport.submit(frames, seconds, op_name, epoch)
 
@@ -173,7 +185,8 @@ class Connection:
             raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
         budget = self.seconds(timeout)
         deadline = time.monotonic() + budget
-        op, pending = self.submit("LOOKUP", self.profile.all_ranks_payloads(key, tp_size), budget)
+        payloads = self.profile_for(budget).all_ranks_payloads(key, tp_size)
+        op, pending = self.submit("LOOKUP", payloads, max(deadline - time.monotonic(), 0.001))
 
         def finish(frames: list[bytes]) -> int:
             decode_reply(op, frames)

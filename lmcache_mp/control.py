@@ -46,7 +46,8 @@ class ControlPlane:
     def clear_async(self, *, force: bool = True, timeout: float | None = None) -> ReplyFuture[None]:
         """CLEAR: drop cached objects on the server. Servers up to 0.5.5 always force
         (``force`` is not sent); 0.5.6 takes it as its payload."""
-        return self._conn.request("CLEAR", self._conn.profile.clear_payloads(force), timeout)
+        payloads = self._conn.profile_for(self._conn.seconds(timeout)).clear_payloads(force)
+        return self._conn.request("CLEAR", payloads, timeout)
 
     clear = blocking(clear_async)
 
@@ -65,7 +66,7 @@ class ControlPlane:
         or :meth:`wait_prefetch_status`. Locks stay until a RETRIEVE or
         :meth:`free_lookup_locks` releases them (or a 300 s TTL). ``tp_size`` adds
         readers for MLA; send the same value to free_lookup_locks."""
-        return self._conn.request("LOOKUP", self._all_ranks(key, tp_size), timeout)
+        return self._conn.request("LOOKUP", self._all_ranks(key, tp_size, timeout), timeout)
 
     submit_lookup = blocking(submit_lookup_async)
 
@@ -108,7 +109,8 @@ class ControlPlane:
                                 timeout: float | None = None) -> ReplyFuture[None]:
         """Release the read locks a LOOKUP took on chunks in ``[key.start, key.end)``
         that will not be retrieved (all ranks). Use the LOOKUP's ``tp_size``."""
-        return self._conn.request("FREE_LOOKUP_LOCKS", self._all_ranks(key, tp_size), timeout)
+        return self._conn.request("FREE_LOOKUP_LOCKS", self._all_ranks(key, tp_size, timeout),
+                                  timeout)
 
     free_lookup_locks = blocking(free_lookup_locks_async)
 
@@ -154,7 +156,7 @@ class ControlPlane:
             non_negative_int("min_chunks", min_chunks)
         poll_s = non_negative_seconds("poll_interval", poll_interval)
         budget = self._conn.seconds(timeout)
-        self._all_ranks(key, tp_size)  # checks tp_size before anything is sent
+        self._all_ranks(key, tp_size, timeout)  # checks tp_size before anything is sent
         chunk = self.chunk_size()
         want = len(key.token_ids) // chunk if min_chunks is None else min_chunks
         deadline = time.monotonic() + budget
@@ -167,17 +169,19 @@ class ControlPlane:
                 self.free_lookup_locks(key.with_range(0, hits * chunk), tp_size)
             time.sleep(poll_s)
 
-    def _all_ranks(self, key: CacheKey, tp_size: int) -> tuple[Any, int]:
+    def _all_ranks(self, key: CacheKey, tp_size: int, timeout: float | None) -> tuple[Any, int]:
         if not isinstance(key, CacheKey):
             raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
-        return self._conn.profile.all_ranks_payloads(key, tp_size)
-
+        return self._conn.profile_for(self._conn.seconds(timeout)).all_ranks_payloads(key,
+                                                                                        tp_size)
 
 
 def _record(r: Any) -> BlockAllocationRecord:
     if isinstance(r, BlockAllocationRecord):
-        return r
-    if not isinstance(r, Mapping):
+        # A Struct's constructor checks no types, and the codec passes a Struct of the
+        # payload's own type through: check its fields here.
+        r = {f: getattr(r, f) for f in r.__struct_fields__}
+    elif not isinstance(r, Mapping):
         raise InvalidArgument(f"a block allocation record must be a BlockAllocationRecord or a "
                               f"mapping, got {r!r}")
     try:

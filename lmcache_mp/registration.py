@@ -165,7 +165,7 @@ class Registration:
                 "this KV cache was closed or unlinked (its shared-memory names are gone), so "
                 "the server cannot map it again; allocate a new cache and register that")
         if self.mode == "lmcache":
-            payloads = conn.profile.register_payloads(
+            payloads = conn.profile_for(remaining(deadline, "REGISTER")).register_payloads(
                 self.instance_id, cache.export_layers(), self.model_name, self.world_size,
                 cache.kv_layout, self.groups)
             op, p = conn.submit("REGISTER_KV_CACHE", payloads, remaining(deadline, "REGISTER"))

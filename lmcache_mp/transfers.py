@@ -50,7 +50,7 @@ def server_copy(reg: Registration, op_name: str, key: CacheKey, groups: list[lis
 
     def submit() -> PendingRequest:
         b = reg._bound(deadline)
-        wire = conn.profile.transfer_key(key, worker)
+        wire = conn.profile_for(remaining(deadline, op_name)).transfer_key(key, worker)
         sent_at = time.monotonic()
         op, p = conn.submit(op_name, (wire, reg.instance_id, groups, event, *extra),
                             remaining(deadline, op_name), epoch=b.epoch)
@@ -76,7 +76,7 @@ def _prepare(reg: Registration, op_name: str, key: CacheKey,
     conn = reg._conn
     while True:
         b = reg._bound(deadline)
-        wire = conn.profile.transfer_key(key, reg._worker(key))
+        wire = conn.profile_for(remaining(deadline, op_name)).transfer_key(key, reg._worker(key))
         sent_at = time.monotonic()
         op, p = conn.submit(op_name, (wire, reg.instance_id),
                             remaining(deadline, op_name), epoch=b.epoch)

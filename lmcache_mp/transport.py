@@ -177,6 +177,8 @@ class Transport:
         self._leader = threading.Lock()  # held by the thread driving the socket
         self._pending: dict[bytes, PendingRequest] = {}
         self._outbox: deque[PendingRequest] = deque()
+        # Put at the head of the outbox when the connection is lost (never sent).
+        self._barrier = PendingRequest(b"", "connection barrier", 0.0, [])
         self._followers: set[PendingRequest] = set()
         self._followers_lock = threading.Lock()
         self._uids = itertools.count()
@@ -281,14 +283,18 @@ class Transport:
         if self._leader.locked() and self._drain_inbound_locked():
             self._wake_leader()
 
-    def declare_unresponsive(self, probe: PendingRequest) -> None:
-        """Gate the transport: ``probe`` (sent, unanswered) showed that nothing answers
-        (the protocol detection's fence). Its reply, if it ever comes, lifts the gate."""
+    def declare_unresponsive(self, frames: list[bytes]) -> None:
+        """Gate the transport: the protocol detection got no answer at all. Probes are
+        ``frames`` (a request answered on the server's message thread in every
+        release) until the protocol is known; the first answer lifts the gate."""
         with self._lock:
-            if self._closed or probe.done:
+            if self._closed:
                 return
-            self.liveness.add(probe)
-            self.liveness.since = time.monotonic()
+            live = self.liveness
+            if live.frames is None:
+                live.frames = frames
+            self._send_probe_locked()
+            live.since = time.monotonic()
             self._gated = True
 
     def _probe_for(self, p: PendingRequest) -> None:
@@ -317,6 +323,11 @@ class Transport:
         outbox = self._outbox
         while outbox:
             p = outbox[0]
+            if p is self._barrier:  # nothing goes out until the new connection is up
+                if not self.connected:
+                    break
+                outbox.popleft()
+                continue
             if p.done:  # expired while waiting for a connection
                 outbox.popleft()
                 continue
@@ -376,6 +387,8 @@ class Transport:
             self.connected = True
             self._ever_connected = True
             self.epoch += 1
+            if self._outbox and self._outbox[0] is self._barrier:
+                self._outbox.popleft()  # the lost connection's pipe is gone by now
             # Possibly a restarted server: whatever the last one did not answer says
             # nothing about this one.
             if self._gated:
@@ -384,6 +397,10 @@ class Transport:
             self._refused += 1
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = False
+            # ZMQ detaches the lost connection's pipe a moment after this event: until
+            # then a send would vanish into it. Hold every send until a new connection.
+            if not (self._outbox and self._outbox[0] is self._barrier):
+                self._outbox.appendleft(self._barrier)
             if self._gated:  # the verdict was about that connection; calls now wait
                 self._lift_locked()  # for a new one within their deadlines
             # Replies to requests sent on the lost connection can never arrive: the
@@ -517,9 +534,10 @@ class Transport:
             if remaining <= 0:
                 return
             wait_ms = max(1, int(remaining * 1000 + 0.999))
-            if self._outbox:
+            if self._outbox and (self.connected or self._outbox[0] is not self._barrier):
                 # ZMQ's fd does not reliably signal when a new connection's pipe becomes
-                # writable, so retry queued sends on a short period until it does.
+                # writable, so retry queued sends on a short period until it does
+                # (behind the barrier, the monitor's fd signals the connection).
                 wait_ms = min(wait_ms, _OUTBOX_RETRY_MS)
             check_monitor = False
             for fd, _ in poller.poll(wait_ms):
