@@ -186,6 +186,9 @@ def test_wait_for_lookup_checks_its_arguments_first(fake: FakeServer) -> None:
                 c.wait_for_lookup(key, **bad)  # type: ignore[arg-type]
         with pytest.raises(InvalidArgument):
             c.wait_for_lookup("not a key")  # type: ignore[arg-type]
+        # Servers hold at most 128 read locks per object and clamp silently.
+        with pytest.raises(InvalidArgument, match="at most 128"):
+            c.lookup(key, tp_size=129)
         assert "LOOKUP" not in fake.ops()
         assert c.wait_for_lookup(key, 0, timeout=0.2, poll_interval=0) == 0
 
