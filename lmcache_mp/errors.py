@@ -3,7 +3,9 @@
 Every error the client raises derives from :class:`LMCacheMPError`, and each message
 says what went wrong and what to do about it. The LMCache MP server never replies to a
 request it could not handle, so a :class:`RequestTimeout` usually means the server
-rejected the request (its log says why), not that it was slow.
+rejected the request (its log says why), not that it was slow. When the server answers
+nothing at all (not even a NOOP sent after the request), the call raises
+:class:`ServerUnresponsive` instead, and later calls fail at once until it answers.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class LMCacheMPError(Exception):
 
 
 class RequestTimeout(LMCacheMPError, TimeoutError):
-    """A request was sent but no reply arrived before its deadline."""
+    """A request was sent but no reply arrived before its deadline (the server still
+    answers other requests, or could not be asked)."""
 
 
 class ServerUnavailable(LMCacheMPError, ConnectionError):
