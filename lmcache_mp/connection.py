@@ -76,33 +76,42 @@ class Connection:
         return self._detect(seconds)
 
     def _detect(self, seconds: float | None) -> Profile:
-        with self._detect_lock:
-            current = self._profile
-            if current is not None and (self.fixed_protocol
-                                        or self._profile_epoch == self.transport.epoch):
-                return current
-            pending: dict[str, PendingRequest] = {}
-            try:
-                budget = min(self.timeout, 2.0, self.timeout if seconds is None else seconds)
-                detection = detect(partial(self._probe_exchange, pending), self.url,
-                                   timeout=budget)
-            except RequestTimeout as exc:
-                fence = pending.get("fence")
-                if fence is None or not fence.sent or any(
-                        p.frames is not None for p in pending.values()):
-                    raise  # something answered: not a silent server
-                # Nothing answered, not even the fence (answered on the server's
-                # message thread): the same verdict as an unanswered NOOP probe's.
-                self.transport.declare_unresponsive(unregister_unknown())
-                raise ServerUnresponsive(str(exc)) from None
-            finally:
-                for p in pending.values():  # unanswered probes: drop late replies
-                    self.transport.cancel(p)
-            self.detection = detection
-            profile = self._profile = get_profile(detection.profile)
-            self.transport.liveness.frames = [profile.op("NOOP").type_frame]
-            self._profile_epoch = max(p.sent_epoch for p in pending.values())
-            return profile
+        # Another thread's probe must not make this call overstay its deadline.
+        if not self._detect_lock.acquire(timeout=-1 if seconds is None else seconds):
+            raise RequestTimeout(f"the protocol probe of {self.url} (run by another thread) "
+                                 f"did not finish within {seconds:g} s")
+        try:
+            return self._detect_locked(seconds)
+        finally:
+            self._detect_lock.release()
+
+    def _detect_locked(self, seconds: float | None) -> Profile:
+        current = self._profile
+        if current is not None and (self.fixed_protocol
+                                    or self._profile_epoch == self.transport.epoch):
+            return current
+        pending: dict[str, PendingRequest] = {}
+        try:
+            budget = min(self.timeout, 2.0, self.timeout if seconds is None else seconds)
+            detection = detect(partial(self._probe_exchange, pending), self.url,
+                               timeout=budget)
+        except RequestTimeout as exc:
+            fence = pending.get("fence")
+            if fence is None or not fence.sent or any(
+                    p.frames is not None for p in pending.values()):
+                raise  # something answered: not a silent server
+            # Nothing answered, not even the fence (answered on the server's
+            # message thread): the same verdict as an unanswered NOOP probe's.
+            self.transport.declare_unresponsive(unregister_unknown())
+            raise ServerUnresponsive(str(exc)) from None
+        finally:
+            for p in pending.values():  # unanswered probes: drop late replies
+                self.transport.cancel(p)
+        self.detection = detection
+        profile = self._profile = get_profile(detection.profile)
+        self.transport.liveness.frames = [profile.op("NOOP").type_frame]
+        self._profile_epoch = max(p.sent_epoch for p in pending.values())
+        return profile
 
     def _probe_exchange(
         self,

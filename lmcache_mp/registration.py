@@ -45,7 +45,7 @@ from .protocol.types import (
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
 )
-from .transfers import remaining
+from .transfers import remaining, within
 
 if TYPE_CHECKING:
     from .request import Request
@@ -252,7 +252,7 @@ class Registration:
 
     def _recover(self, deadline: float, seen: Binding) -> Binding:
         restarted = False
-        with self._recover_lock:
+        with within(self._recover_lock, deadline, f"re-registering instance {self.instance_id}"):
             b = self._binding
             if b is None:
                 raise InvalidArgument(

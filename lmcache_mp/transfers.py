@@ -13,8 +13,10 @@ registration was checked on (see :mod:`lmcache_mp.registration`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +34,7 @@ from .transport import PendingRequest
 if TYPE_CHECKING:
     from .registration import Binding, Registration
 
-__all__ = ["server_copy", "engine_store", "engine_retrieve", "remaining"]
+__all__ = ["server_copy", "engine_store", "engine_retrieve", "remaining", "within"]
 
 log = logging.getLogger("lmcache_mp")
 
@@ -178,6 +180,20 @@ def _release(reg: Registration, op_name: str, payloads: tuple[Any, ...], b: Bind
 
 def _true(_: Any) -> bool:
     return True
+
+
+@contextmanager
+def within(lock: threading.Lock, deadline: float, what: str) -> Iterator[None]:
+    """Hold ``lock``, waiting for it only until ``deadline`` (another thread holding it
+    must not make this call overstay its own deadline)."""
+    if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        raise RequestTimeout(
+            f"{what}: the call's deadline passed while another thread was re-registering "
+            f"with a server that restarted or had dropped this registration")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def remaining(deadline: float, what: str) -> float:

@@ -142,6 +142,25 @@ def test_an_unresponsive_server_is_forgotten_on_reconnect_and_recovered(
         reg.unregister()
 
 
+def test_waiting_for_another_threads_re_registration_keeps_the_deadline(
+        fake: FakeServer, kv: CpuKVCache) -> None:
+    with Client(fake.url, protocol="0.5.3", timeout=2.0, heartbeat_interval=None) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        fake.restart()  # the next transfer re-registers first...
+        assert wait_until(lambda: c._conn.transport.refresh() > 1)
+        fake.hooks["REGISTER_KV_CACHE"] = lambda payloads: time.sleep(1.5)  # ...slowly
+        first = threading.Thread(target=timed, args=(lambda: reg.store(
+            CacheKey(model_name="m", world_size=1, worker_id=0, token_ids=tokens(), start=0,
+                     end=CHUNK, request_id="a"), list(range(1, 17)), timeout=1.2),))
+        first.start()
+        time.sleep(0.2)  # the first thread holds the re-registration
+        key = CacheKey(model_name="m", world_size=1, worker_id=0, token_ids=tokens(seed=1),
+                       start=0, end=CHUNK, request_id="b")
+        took, err = timed(lambda: reg.store(key, list(range(1, 17)), timeout=0.3))
+        assert isinstance(err, (RequestTimeout, ServerUnavailable)) and took < 0.3 + SLACK, took
+        first.join()
+
+
 def test_protocol_detection_against_a_silent_server_is_unresponsive(fake: FakeServer) -> None:
     fake.silent.set()
     with Client(fake.url, timeout=0.5, heartbeat_interval=None) as c:  # protocol="auto"
