@@ -137,33 +137,43 @@ class Transport:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        # Retry a lost connection every 50 ms, backing off to at most 200 ms: a
-        # restarted server is reached within 0.2 s of listening (a refused connect
-        # to a co-located server costs next to nothing).
-        sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        if "://[" in url:  # an IPv6 literal (only then: names keep resolving to IPv4)
-            sock.setsockopt(zmq.IPV6, 1)
-        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        sock: zmq.Socket[bytes] | None = None
+        monitor: zmq.Socket[bytes] | None = None
+        connecting = False
         try:
+            ctx = zmq.Context(io_threads=1)
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            # Retry a lost connection every 50 ms, backing off to at most 200 ms: a
+            # restarted server is reached within 0.2 s of listening (a refused connect
+            # to a co-located server costs next to nothing).
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+            if "://[" in url:  # an IPv6 literal (only then: names keep resolving to IPv4)
+                sock.setsockopt(zmq.IPV6, 1)
+            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+            connecting = True
             sock.connect(url)
-        except zmq.ZMQError as exc:
-            monitor.close(linger=0)
-            sock.close(linger=0)
-            ctx.term()
-            raise InvalidArgument(
-                f"cannot connect to {url!r}: {exc}; expected e.g. tcp://127.0.0.1:5555"
-            ) from None
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        os.set_blocking(wake_w, False)
+            connecting = False
+            wake_r, wake_w = os.pipe()
+        except (zmq.ZMQError, OSError) as exc:
+            for s in (monitor, sock):
+                if s is not None:
+                    s.close(linger=0)
+            if ctx is not None:
+                ctx.term()
+            if connecting:
+                raise InvalidArgument(
+                    f"cannot connect to {url!r}: {exc}; expected e.g. tcp://127.0.0.1:5555"
+                ) from None
+            raise LMCacheMPError(
+                f"cannot set up the client's ZMQ socket for {url}: {exc} (out of file "
+                f"descriptors? close unused clients)") from None
         self._res = _Resources(ctx, sock, monitor, wake_r, wake_w)
         self._finalizer = weakref.finalize(self, self._res.release)
         self._sock = sock

@@ -311,6 +311,8 @@ def test_argument_errors_are_lmcache_mp_errors(fake: FakeServer, kv: CpuKVCache)
             lambda: CacheKey(model_name="m", world_size=1, worker_id=0,
                              token_ids=torch.tensor([-1]), start=0, end=0, request_id="r"),
             lambda: c.registration([1]),  # type: ignore[arg-type]
+            lambda: c.unregister_kv_cache([1]),  # type: ignore[arg-type]
+            lambda: c.unregister_kv_cache_engine_driven({}),  # type: ignore[arg-type]
             lambda: c.store(key, [1], instance_id={}),  # type: ignore[arg-type]
             lambda: c.register(kv, model_name="m", engine_group_infos=5),  # type: ignore[arg-type]
             lambda: c.register(kv, model_name="m", engine_group_infos=[
