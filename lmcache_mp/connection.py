@@ -78,8 +78,10 @@ class Connection:
     def _detect(self, seconds: float | None) -> Profile:
         # Another thread's probe must not make this call overstay its deadline.
         if not self._detect_lock.acquire(timeout=-1 if seconds is None else seconds):
-            raise RequestTimeout(f"the protocol probe of {self.url} (run by another thread) "
-                                 f"did not finish within {seconds:g} s")
+            # Nothing was sent: the (new) connection is still being identified.
+            raise ServerUnavailable(
+                f"not sent: the protocol probe of the LMCache server at {self.url} (run by "
+                f"another thread after a new connection) did not finish within {seconds:g} s")
         try:
             return self._detect_locked(seconds)
         finally:

@@ -22,7 +22,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .engine_driven import copy_from_slots, copy_into_slots
-from .errors import ConnectionChanged, LMCacheMPError, ProtocolMismatch, RequestTimeout
+from .errors import (
+    ConnectionChanged,
+    LMCacheMPError,
+    ProtocolMismatch,
+    RequestTimeout,
+    ServerUnavailable,
+)
 from .futures import ReplyFuture
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
@@ -187,9 +193,11 @@ def within(lock: threading.Lock, deadline: float, what: str) -> Iterator[None]:
     """Hold ``lock``, waiting for it only until ``deadline`` (another thread holding it
     must not make this call overstay its own deadline)."""
     if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-        raise RequestTimeout(
-            f"{what}: the call's deadline passed while another thread was re-registering "
-            f"with a server that restarted or had dropped this registration")
+        # Nothing was sent: the server is being reached again, as for a call made
+        # while it is down.
+        raise ServerUnavailable(
+            f"{what}: not sent; the call's deadline passed while another thread was "
+            f"re-registering with a server that restarted or had dropped this registration")
     try:
         yield
     finally:
