@@ -45,7 +45,7 @@ from .protocol.types import (
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
 )
-from .transfers import remaining, within
+from .transfers import remaining, unsent, within
 
 if TYPE_CHECKING:
     from .request import Request
@@ -165,14 +165,14 @@ class Registration:
                 "this KV cache was closed or unlinked (its shared-memory names are gone), so "
                 "the server cannot map it again; allocate a new cache and register that")
         if self.mode == "lmcache":
-            payloads = conn.profile_for(remaining(deadline, "REGISTER")).register_payloads(
+            payloads = conn.profile_for(unsent(deadline, "REGISTER")).register_payloads(
                 self.instance_id, cache.export_layers(), self.model_name, self.world_size,
                 cache.kv_layout, self.groups)
-            op, p = conn.submit("REGISTER_KV_CACHE", payloads, remaining(deadline, "REGISTER"))
+            op, p = conn.submit("REGISTER_KV_CACHE", payloads, unsent(deadline, "REGISTER"))
             decode_reply(op, conn.transport.wait(p))
             return Binding(p.sent_epoch)
         op, p = conn.submit("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
-                            (self._engine_payload(),), remaining(deadline, "REGISTER"))
+                            (self._engine_payload(),), unsent(deadline, "REGISTER"))
         info: RegisterEngineDrivenContextResponse = decode_reply(op, conn.transport.wait(p))
         return self._bind_pool(info, p.sent_epoch, deadline)
 
@@ -260,7 +260,7 @@ class Registration:
             if b is not seen:
                 return b  # another thread re-registered meanwhile
             restarted = b.epoch != self._conn.transport.epoch or self._suspect
-            chunk = self._conn.chunk_size(remaining(deadline, "GET_CHUNK_SIZE"))
+            chunk = self._conn.chunk_size(unsent(deadline, "GET_CHUNK_SIZE"))
             if chunk != self.chunk_size:
                 raise ProtocolMismatch(
                     f"the server now uses chunk size {chunk}, but instance {self.instance_id} "

@@ -40,7 +40,7 @@ from .transport import PendingRequest
 if TYPE_CHECKING:
     from .registration import Binding, Registration
 
-__all__ = ["server_copy", "engine_store", "engine_retrieve", "remaining", "within"]
+__all__ = ["server_copy", "engine_store", "engine_retrieve", "remaining", "unsent", "within"]
 
 log = logging.getLogger("lmcache_mp")
 
@@ -58,10 +58,10 @@ def server_copy(reg: Registration, op_name: str, key: CacheKey, groups: list[lis
 
     def submit() -> PendingRequest:
         b = reg._bound(deadline)
-        wire = conn.profile_for(remaining(deadline, op_name)).transfer_key(key, worker)
+        wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key, worker)
         sent_at = time.monotonic()
         op, p = conn.submit(op_name, (wire, reg.instance_id, groups, event, *extra),
-                            remaining(deadline, op_name), epoch=b.epoch)
+                            unsent(deadline, op_name), epoch=b.epoch)
         sent.append((op, sent_at))
         return p
 
@@ -84,10 +84,10 @@ def _prepare(reg: Registration, op_name: str, key: CacheKey,
     conn = reg._conn
     while True:
         b = reg._bound(deadline)
-        wire = conn.profile_for(remaining(deadline, op_name)).transfer_key(key, reg._worker(key))
+        wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key, reg._worker(key))
         sent_at = time.monotonic()
         op, p = conn.submit(op_name, (wire, reg.instance_id),
-                            remaining(deadline, op_name), epoch=b.epoch)
+                            unsent(deadline, op_name), epoch=b.epoch)
         try:
             frames = conn.transport.wait(p)
         except ConnectionChanged:
@@ -204,11 +204,21 @@ def within(lock: threading.Lock, deadline: float, what: str) -> Iterator[None]:
         lock.release()
 
 
+def unsent(deadline: float, what: str) -> float:
+    """Like :func:`remaining`, for the steps of a (re-)registration done on a call's
+    behalf: once its deadline has passed, the call fails as unsent (ServerUnavailable),
+    like a call made while the server is down, which is what the caller sees happen."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ServerUnavailable(
+            f"{what}: not sent; the call's deadline passed while the client was registering "
+            f"with a server that restarted or had dropped this registration")
+    return left
+
+
 def remaining(deadline: float, what: str) -> float:
     """Seconds left before ``deadline``; RequestTimeout once it has passed."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise RequestTimeout(
-            f"{what}: the call's deadline passed before it could be sent (the client was "
-            f"re-registering with a server that restarted or had dropped this registration)")
+        raise RequestTimeout(f"{what}: the call's deadline passed before it could be sent")
     return left
