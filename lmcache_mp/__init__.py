@@ -15,6 +15,7 @@ from .errors import (
     ProtocolMismatch,
     RequestTimeout,
     ServerUnavailable,
+    ServerUnresponsive,
 )
 from .futures import ReplyFuture
 from .ipc.cpu_cache import CpuKVCache
@@ -38,6 +39,7 @@ __all__ = [
     "LMCacheMPError",
     "RequestTimeout",
     "ServerUnavailable",
+    "ServerUnresponsive",
     "ConnectionChanged",
     "ClientClosed",
     "ProtocolMismatch",

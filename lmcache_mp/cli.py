@@ -4,6 +4,8 @@
     lmcache-mp info URL            chunk size, protocol, round-trip time, features
     lmcache-mp keys --model M ...  the chunk hashes / storage keys a prompt maps to
     lmcache-mp doctor [--url URL]  CUDA, IPC handles, /dev/shm, and the server's protocol
+    lmcache-mp clean [--dry-run]   remove the shared memory of killed lmcache_mp processes
+                                   (also: lmcache-mp doctor --clean)
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from .keys import CacheKey
 
 __all__ = ["main"]
 
+_ALLOW_REMOTE = ("allow a non-loopback tcp:// host (REGISTER sends pickles over plaintext "
+                 "ZMQ with no authentication: trusted networks only)")
+
 
 def _cmd_ping(args: argparse.Namespace) -> int:
-    with Client(args.url, timeout=args.timeout) as client:
+    with Client(args.url, timeout=args.timeout, allow_remote=args.allow_remote) as client:
         start = time.perf_counter()
         client.ping()  # includes connecting
         first = time.perf_counter()
@@ -37,7 +42,8 @@ def _cmd_ping(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    with Client(args.url, timeout=args.timeout, protocol=args.protocol) as client:
+    with Client(args.url, timeout=args.timeout, protocol=args.protocol,
+                allow_remote=args.allow_remote) as client:
         noop = client.noop()
         chunk = client.chunk_size()
         features = client.get_experimental()
@@ -84,7 +90,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     tokens = _read_tokens(args)
     chunk = args.chunk_size
     if args.url:
-        with Client(args.url, timeout=args.timeout) as client:
+        with Client(args.url, timeout=args.timeout, allow_remote=args.allow_remote) as client:
             chunk = client.chunk_size()
     # Validate exactly as a request would be (salt, model name, token range).
     key = CacheKey(model_name=args.model, world_size=args.world_size, worker_id=args.worker_id,
@@ -105,7 +111,21 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_clean(args: argparse.Namespace) -> int:
+    from .ipc.shm import SHM_DIR, sweep_dead_segments
+
+    swept = sweep_dead_segments(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for name in swept.removed:
+        print(f"{verb} {SHM_DIR}/{name}")
+    print(f"{verb} {len(swept.removed)} segment(s) of dead lmcache_mp processes "
+          f"({swept.freed_bytes / 2**20:.1f} MiB); kept {swept.kept_alive} of live ones")
+    return 0
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    if args.clean:
+        _cmd_clean(argparse.Namespace(dry_run=False))
     from .doctor import main_doctor  # imports CUDA bindings only when asked
 
     return main_doctor(args.url, args.timeout)
@@ -119,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ping", help="is the server answering?")
     p.add_argument("url")
     p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument("--allow-remote", action="store_true", help=_ALLOW_REMOTE)
     p.set_defaults(func=_cmd_ping)
 
     p = sub.add_parser("info", help="chunk size, protocol, round-trip time")
@@ -126,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", default="auto", help="auto (probe) or 0.5.3 / 0.5.5 / 0.5.6")
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--samples", type=int, default=200)
+    p.add_argument("--allow-remote", action="store_true", help=_ALLOW_REMOTE)
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("keys", help="the chunk hashes and storage keys a prompt maps to")
@@ -137,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     p.add_argument("--url", help="ask this server for its chunk size")
     p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument("--allow-remote", action="store_true", help=_ALLOW_REMOTE)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="token ids, comma or space separated")
     src.add_argument("--tokens-file", help="a JSON list or whitespace-separated token ids")
@@ -147,7 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="CUDA, IPC handles, /dev/shm, and the server's protocol")
     p.add_argument("--url", help="also check this server")
     p.add_argument("--timeout", type=float, default=2.0)
+    p.add_argument("--clean", action="store_true",
+                   help="first remove the shared memory of killed lmcache_mp processes")
     p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("clean", help="remove the shared memory of killed lmcache_mp processes")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.set_defaults(func=_cmd_clean)
     return parser
 
 

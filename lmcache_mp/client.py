@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from .blocks import TransferLayout
-from .checks import one_of, optional_positive_seconds, positive_seconds
+from .checks import is_int, one_of, optional_positive_seconds, positive_seconds
 from .connection import DEFAULT_TIMEOUT, Connection
 from .control import ControlPlane
 from .errors import InvalidArgument
@@ -57,6 +57,10 @@ class Client(ControlPlane, InstanceIdAPI):
         on_recovered: called with a :class:`Registration` the client registered again
             on its own after a reconnect or failed heartbeats: the server may have
             restarted, so what it cached may be gone.
+        allow_remote: allow a ``tcp://`` host that is not loopback. Off by default:
+            REGISTER sends pickles that LMCache servers 0.4.7-0.5.5 unpickle, over
+            plaintext ZMQ with no authentication, so only connect across a network
+            you trust (see the README's Safety section).
     """
 
     def __init__(
@@ -69,10 +73,15 @@ class Client(ControlPlane, InstanceIdAPI):
         reap_timeout: float = 30.0,
         on_health_change: Callable[[bool], None] | None = None,
         on_recovered: Callable[[Registration], None] | None = None,
+        allow_remote: bool = False,
     ) -> None:
         interval = optional_positive_seconds("heartbeat_interval", heartbeat_interval)
         reap = positive_seconds("reap_timeout", reap_timeout)
-        self._conn = Connection(url, timeout, protocol)
+        for name, callback in (("on_health_change", on_health_change),
+                               ("on_recovered", on_recovered)):
+            if callback is not None and not callable(callback):
+                raise InvalidArgument(f"{name} must be callable or None, got {callback!r}")
+        self._conn = Connection(url, timeout, protocol, allow_remote)
         self._registry = Registry(self._conn, heartbeat_interval=interval, reap_timeout=reap,
                                   on_health_change=on_health_change, on_recovered=on_recovered)
         # A client dropped without close() must not leave its heartbeat thread (which
@@ -176,11 +185,11 @@ class Client(ControlPlane, InstanceIdAPI):
         if isinstance(iid, bool) or not isinstance(iid, int) or not 0 <= iid < 2**63:
             raise InvalidArgument(f"instance_id must be an int in [0, 2**63), got {iid!r}")
         g = kv_cache.geometry
-        groups = tuple(engine_group_infos) if engine_group_infos else (
+        groups = _checked_groups(engine_group_infos, g.num_layers) if engine_group_infos else (
             EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(g.num_layers)),
                             tokens_per_block=g.block_size),)
         deadline = time.monotonic() + self._conn.seconds(timeout)
-        self._registry.reserve(iid)
+        self._registry.reserve(iid, model_name, world_size, g)
         try:
             chunk = self._conn.chunk_size(timeout)
             for group in groups:
@@ -206,12 +215,33 @@ class Client(ControlPlane, InstanceIdAPI):
 
     def registration(self, instance_id: int) -> Registration:
         """This client's registration of ``instance_id``."""
+        if not is_int(instance_id):
+            raise InvalidArgument(f"instance_id must be an int, got {instance_id!r}")
         reg = self._registry.get(instance_id)
         if reg is None:
             raise InvalidArgument(
                 f"instance {instance_id} is not registered by this client; register its KV "
                 f"cache first (the server silently drops transfers for unknown instances)")
         return reg
+
+
+def _checked_groups(infos: object, num_layers: int) -> tuple[EngineGroupInfo, ...]:
+    """``engine_group_infos`` as given, checked against the cache (a wrong one would be
+    dropped by the server without a reply, or fail its transfers)."""
+    if not isinstance(infos, (list, tuple)) or not all(
+            isinstance(gi, EngineGroupInfo) for gi in infos):
+        raise InvalidArgument(f"engine_group_infos must be a list of lmcache_mp.EngineGroupInfo, "
+                              f"got {infos!r}")
+    for gi in infos:
+        if (not is_int(gi.engine_group_id) or gi.engine_group_id < 0
+                or not is_int(gi.tokens_per_block) or gi.tokens_per_block < 0
+                or not is_int(gi.sw_size_tokens)
+                or not isinstance(gi.layer_indices, (list, tuple))
+                or not all(is_int(i) and 0 <= i < num_layers for i in gi.layer_indices)):
+            raise InvalidArgument(
+                f"invalid {gi!r}: engine_group_id and tokens_per_block (0: the cache's block "
+                f"size) must be ints >= 0, layer_indices ints in [0, {num_layers})")
+    return tuple(infos)
 
 
 def _shut_down(registry: Registry, conn: Connection) -> None:

@@ -14,12 +14,19 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from .checks import positive_seconds
-from .errors import InvalidArgument, RequestTimeout, ServerUnavailable
+from .checks import positive_seconds, server_url
+from .errors import (
+    InvalidArgument,
+    ProtocolMismatch,
+    RequestTimeout,
+    ServerUnavailable,
+    ServerUnresponsive,
+)
 from .futures import ReplyFuture
 from .keys import CacheKey
 from .protocol import Profile, decode_reply, encode_request, get_profile
 from .protocol.detect import Detection, detect
+from .protocol.detect import _unregister_unknown as unregister_unknown
 from .protocol.operations import Operation
 from .transport import PendingRequest, Transport
 
@@ -34,45 +41,79 @@ class Connection:
     """The transport plus the profile; thread-safe. Not public: :class:`Client` and
     :class:`Registration` are built on it."""
 
-    def __init__(self, url: str, timeout: float, protocol: str) -> None:
-        if not isinstance(url, str) or "://" not in url:
-            raise InvalidArgument(f"url must look like tcp://host:port, got {url!r}")
-        self.url = url
+    def __init__(self, url: str, timeout: float, protocol: str,
+                 allow_remote: bool = False) -> None:
+        if not isinstance(allow_remote, bool):
+            raise InvalidArgument(f"allow_remote must be a bool, got {allow_remote!r}")
+        self.url = server_url(url, allow_remote)
         self.timeout = positive_seconds("timeout", timeout)
+        if not isinstance(protocol, str):
+            raise InvalidArgument(f"protocol must be 'auto' or a release like '0.5.3', "
+                                  f"got {protocol!r}")
         self.fixed_protocol = protocol != "auto"
+        # An unknown release name is a ProtocolMismatch (a release this client does not
+        # speak), raised here before anything is sent.
         self._profile: Profile | None = get_profile(protocol) if self.fixed_protocol else None
         self._profile_epoch = 0
         self.detection: Detection | None = None
         self._detect_lock = threading.Lock()
         self._chunk: tuple[int, int] | None = None  # (epoch, chunk size)
-        self.transport = Transport(url)
+        self.transport = Transport(self.url)
+        if self._profile is not None:
+            self.transport.liveness.frames = [self._profile.op("NOOP").type_frame]
 
     # ---------------------------------------------------------------- profile
     @property
     def profile(self) -> Profile:
         """The server's profile, probing it when not yet known on this connection."""
+        return self.profile_for(None)
+
+    def profile_for(self, seconds: float | None) -> Profile:
+        """:attr:`profile`, probing within ``seconds`` (a call's time left) if needed."""
         p = self._profile
         if p is not None and (self.fixed_protocol or self._profile_epoch == self.transport.epoch):
             return p
-        return self._detect()
+        return self._detect(seconds)
 
-    def _detect(self) -> Profile:
-        with self._detect_lock:
-            current = self._profile
-            if current is not None and (self.fixed_protocol
-                                        or self._profile_epoch == self.transport.epoch):
-                return current
-            pending: dict[str, PendingRequest] = {}
-            try:
-                detection = detect(partial(self._probe_exchange, pending), self.url,
-                                   timeout=min(self.timeout, 2.0))
-            finally:
-                for p in pending.values():  # unanswered probes: drop late replies
-                    self.transport.cancel(p)
-            self.detection = detection
-            self._profile = get_profile(detection.profile)
-            self._profile_epoch = max(p.sent_epoch for p in pending.values())
-            return self._profile
+    def _detect(self, seconds: float | None) -> Profile:
+        # Another thread's probe must not make this call overstay its deadline.
+        if not self._detect_lock.acquire(timeout=-1 if seconds is None else seconds):
+            # Nothing was sent: the (new) connection is still being identified.
+            raise ServerUnavailable(
+                f"not sent: the protocol probe of the LMCache server at {self.url} (run by "
+                f"another thread after a new connection) did not finish within {seconds:g} s")
+        try:
+            return self._detect_locked(seconds)
+        finally:
+            self._detect_lock.release()
+
+    def _detect_locked(self, seconds: float | None) -> Profile:
+        current = self._profile
+        if current is not None and (self.fixed_protocol
+                                    or self._profile_epoch == self.transport.epoch):
+            return current
+        pending: dict[str, PendingRequest] = {}
+        try:
+            budget = min(self.timeout, 2.0, self.timeout if seconds is None else seconds)
+            detection = detect(partial(self._probe_exchange, pending), self.url,
+                               timeout=budget)
+        except RequestTimeout as exc:
+            fence = pending.get("fence")
+            if fence is None or not fence.sent or any(
+                    p.frames is not None for p in pending.values()):
+                raise  # something answered: not a silent server
+            # Nothing answered, not even the fence (answered on the server's
+            # message thread): the same verdict as an unanswered NOOP probe's.
+            self.transport.declare_unresponsive(unregister_unknown())
+            raise ServerUnresponsive(str(exc)) from None
+        finally:
+            for p in pending.values():  # unanswered probes: drop late replies
+                self.transport.cancel(p)
+        self.detection = detection
+        profile = self._profile = get_profile(detection.profile)
+        self.transport.liveness.frames = [profile.op("NOOP").type_frame]
+        self._profile_epoch = max(p.sent_epoch for p in pending.values())
+        return profile
 
     def _probe_exchange(
         self,
@@ -108,8 +149,15 @@ class Connection:
     def submit(
         self, op_name: str, payloads: Sequence[Any], seconds: float, epoch: int | None = None
     ) -> tuple[Operation, PendingRequest]:
-        """Encode (validating every payload first) and send; nothing is sent on error."""
-        op = self.profile.op(op_name)
+        """Encode (validating every payload first) and send; nothing is sent on error.
+        A protocol probe needed first (a new connection) comes out of ``seconds``."""
+        profile = self._profile
+        if profile is None or not (self.fixed_protocol
+                                   or self._profile_epoch == self.transport.epoch):
+            started = time.monotonic()
+            profile = self._detect(seconds)
+            seconds = max(seconds - (time.monotonic() - started), 0.001)
+        op = profile.op(op_name)
         frames = encode_request(op, payloads)
         return op, self.transport.submit(frames, seconds, op_name, epoch)
 
@@ -148,7 +196,8 @@ class Connection:
             raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
         budget = self.seconds(timeout)
         deadline = time.monotonic() + budget
-        op, pending = self.submit("LOOKUP", self.profile.all_ranks_payloads(key, tp_size), budget)
+        payloads = self.profile_for(budget).all_ranks_payloads(key, tp_size)
+        op, pending = self.submit("LOOKUP", payloads, max(deadline - time.monotonic(), 0.001))
 
         def finish(frames: list[bytes]) -> int:
             decode_reply(op, frames)
@@ -176,7 +225,10 @@ class Connection:
         op, pending = self.submit("GET_CHUNK_SIZE", (), self.seconds(timeout))
         value = decode_reply(op, self.transport.wait(pending))
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise InvalidArgument(f"server reported an invalid chunk size {value!r}")
+            raise ProtocolMismatch(
+                f"the server at {self.url} reported chunk size {value!r} (GET_CHUNK_SIZE), "
+                f"which no LMCache server uses: check that it is an LMCache MP server and "
+                f"that protocol= matches its release")
         self._chunk = (pending.sent_epoch, value)
         return value
 

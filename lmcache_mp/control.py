@@ -7,7 +7,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .checks import positive_seconds
+import msgspec
+
+from .checks import non_negative_int, non_negative_seconds, positive_seconds
 from .connection import Connection
 from .errors import InvalidArgument
 from .futures import ReplyFuture, blocking
@@ -44,7 +46,8 @@ class ControlPlane:
     def clear_async(self, *, force: bool = True, timeout: float | None = None) -> ReplyFuture[None]:
         """CLEAR: drop cached objects on the server. Servers up to 0.5.5 always force
         (``force`` is not sent); 0.5.6 takes it as its payload."""
-        return self._conn.request("CLEAR", self._conn.profile.clear_payloads(force), timeout)
+        payloads = self._conn.profile_for(self._conn.seconds(timeout)).clear_payloads(force)
+        return self._conn.request("CLEAR", payloads, timeout)
 
     clear = blocking(clear_async)
 
@@ -63,7 +66,7 @@ class ControlPlane:
         or :meth:`wait_prefetch_status`. Locks stay until a RETRIEVE or
         :meth:`free_lookup_locks` releases them (or a 300 s TTL). ``tp_size`` adds
         readers for MLA; send the same value to free_lookup_locks."""
-        return self._conn.request("LOOKUP", self._all_ranks(key, tp_size), timeout)
+        return self._conn.request("LOOKUP", self._all_ranks(key, tp_size, timeout), timeout)
 
     submit_lookup = blocking(submit_lookup_async)
 
@@ -106,7 +109,8 @@ class ControlPlane:
                                 timeout: float | None = None) -> ReplyFuture[None]:
         """Release the read locks a LOOKUP took on chunks in ``[key.start, key.end)``
         that will not be retrieved (all ranks). Use the LOOKUP's ``tp_size``."""
-        return self._conn.request("FREE_LOOKUP_LOCKS", self._all_ranks(key, tp_size), timeout)
+        return self._conn.request("FREE_LOOKUP_LOCKS", self._all_ranks(key, tp_size, timeout),
+                                  timeout)
 
     free_lookup_locks = blocking(free_lookup_locks_async)
 
@@ -124,9 +128,13 @@ class ControlPlane:
         records: Iterable[BlockAllocationRecord | Mapping[str, Any]], *,
         timeout: float | None = None,
     ) -> ReplyFuture[None]:
-        """Report per-request block allocation deltas (vLLM's observability feed)."""
-        recs = [r if isinstance(r, BlockAllocationRecord) else BlockAllocationRecord(**r)
-                for r in records]
+        """Report per-request block allocation deltas (vLLM's observability feed).
+        ``records``: :class:`BlockAllocationRecord` or mappings with its fields."""
+        if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
+            raise InvalidArgument(
+                f"records must be a list of BlockAllocationRecord (or mappings with req_id, "
+                f"new_block_ids, new_token_ids), got {type(records).__name__}")
+        recs = [_record(r) for r in records]
         return self._conn.request("REPORT_BLOCK_ALLOCATION", (instance_id, model_name, recs),
                                   timeout)
 
@@ -142,20 +150,43 @@ class ControlPlane:
         asynchronously), so "store, then look up at once" can miss. Partial hits of
         the retries are released; the final lookup's locks are held for a RETRIEVE.
         """
+        if not isinstance(key, CacheKey):
+            raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
+        if min_chunks is not None:
+            non_negative_int("min_chunks", min_chunks)
+        poll_s = non_negative_seconds("poll_interval", poll_interval)
+        budget = self._conn.seconds(timeout)
+        self._all_ranks(key, tp_size, timeout)  # checks tp_size before anything is sent
         chunk = self.chunk_size()
         want = len(key.token_ids) // chunk if min_chunks is None else min_chunks
-        deadline = time.monotonic() + self._conn.seconds(timeout)
+        deadline = time.monotonic() + budget
         while True:
             remaining = deadline - time.monotonic()
             hits = self.lookup(key, tp_size, timeout=max(remaining, 0.05))
-            if hits >= want or time.monotonic() + poll_interval >= deadline:
+            if hits >= want or time.monotonic() + poll_s >= deadline:
                 return hits
             if hits:
                 self.free_lookup_locks(key.with_range(0, hits * chunk), tp_size)
-            time.sleep(poll_interval)
+            time.sleep(poll_s)
 
-    def _all_ranks(self, key: CacheKey, tp_size: int) -> tuple[Any, int]:
+    def _all_ranks(self, key: CacheKey, tp_size: int, timeout: float | None) -> tuple[Any, int]:
         if not isinstance(key, CacheKey):
             raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
-        return self._conn.profile.all_ranks_payloads(key, tp_size)
+        return self._conn.profile_for(self._conn.seconds(timeout)).all_ranks_payloads(key,
+                                                                                        tp_size)
 
+
+def _record(r: Any) -> BlockAllocationRecord:
+    if isinstance(r, BlockAllocationRecord):
+        # A Struct's constructor checks no types, and the codec passes a Struct of the
+        # payload's own type through: check its fields here.
+        r = {f: getattr(r, f) for f in r.__struct_fields__}
+    elif not isinstance(r, Mapping):
+        raise InvalidArgument(f"a block allocation record must be a BlockAllocationRecord or a "
+                              f"mapping, got {r!r}")
+    try:
+        return msgspec.convert(dict(r), BlockAllocationRecord, strict=True)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgument(
+            f"invalid block allocation record {r!r}: {exc} (fields: req_id str, "
+            f"new_block_ids and new_token_ids lists of ints)") from None

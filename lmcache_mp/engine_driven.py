@@ -127,17 +127,24 @@ def copy_into_slots(
     pool: Pool,
     chunk_size: int,
 ) -> None:
-    """PREPARE_STORE's slots are filled from the blocks of their chunk of the key."""
+    """PREPARE_STORE's slots are filled from the blocks of their chunk of the key. The
+    whole context is checked before a byte is copied (ProtocolMismatch: none was)."""
     if len(slots) != len(chunk_indices):
         raise ProtocolMismatch(f"PREPARE_STORE returned {len(slots)} slots for "
                                f"{len(chunk_indices)} chunk indices")
     g = cache.geometry
     per_chunk = chunk_size // g.block_size
     num_chunks = len(ids) // per_chunk
-    for slot, ci in zip(slots, chunk_indices, strict=True):
-        if not 0 <= ci < num_chunks:
-            raise ProtocolMismatch(f"PREPARE_STORE named chunk {ci} of a {num_chunks}-chunk key")
-        target = slot_view(pool, slot, g, chunk_size)
+    last = -1
+    for ci in chunk_indices:
+        # The server lists the chunks it reserved in key order, each once.
+        if not last < ci < num_chunks:
+            raise ProtocolMismatch(f"PREPARE_STORE named chunks {list(chunk_indices)} of a "
+                                   f"{num_chunks}-chunk key (expected increasing indices "
+                                   f"in [0, {num_chunks}))")
+        last = ci
+    targets = [slot_view(pool, slot, g, chunk_size) for slot in slots]
+    for target, ci in zip(targets, chunk_indices, strict=True):
         gather_chunk(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], target, g)
 
 
@@ -150,14 +157,15 @@ def copy_from_slots(
     skip_first_n_tokens: int,
 ) -> None:
     """PREPARE_RETRIEVE's slots (one per chunk of the key, in order) are copied into the
-    blocks, leaving the first ``skip_first_n_tokens`` (whole blocks) untouched."""
+    blocks, leaving the first ``skip_first_n_tokens`` (whole blocks) untouched. Every slot
+    is checked before a block is written (ProtocolMismatch: none was)."""
     g = cache.geometry
     per_chunk = chunk_size // g.block_size
     if len(slots) != len(ids) // per_chunk:
         raise ProtocolMismatch(f"PREPARE_RETRIEVE returned {len(slots)} slots for "
                                f"{len(ids) // per_chunk} chunks")
+    sources = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     skip_blocks = skip_first_n_tokens // g.block_size
-    for ci, slot in enumerate(slots):
-        scatter_chunk(slot_view(pool, slot, g, chunk_size), cache.layers,
-                      ids[ci * per_chunk : (ci + 1) * per_chunk], g,
+    for ci, source in enumerate(sources):
+        scatter_chunk(source, cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], g,
                       skip_blocks=max(0, skip_blocks - ci * per_chunk))

@@ -3,7 +3,9 @@
 Every error the client raises derives from :class:`LMCacheMPError`, and each message
 says what went wrong and what to do about it. The LMCache MP server never replies to a
 request it could not handle, so a :class:`RequestTimeout` usually means the server
-rejected the request (its log says why), not that it was slow.
+rejected the request (its log says why), not that it was slow. When the server answers
+nothing at all (not even a NOOP sent after the request), the call raises
+:class:`ServerUnresponsive` instead, and later calls fail at once until it answers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ __all__ = [
     "LMCacheMPError",
     "RequestTimeout",
     "ServerUnavailable",
+    "ServerUnresponsive",
     "ClientClosed",
     "ConnectionChanged",
     "ProtocolMismatch",
@@ -24,11 +27,21 @@ class LMCacheMPError(Exception):
 
 
 class RequestTimeout(LMCacheMPError, TimeoutError):
-    """A request was sent but no reply arrived before its deadline."""
+    """A request was sent but no reply arrived before its deadline (the server still
+    answers other requests, or could not be asked)."""
 
 
 class ServerUnavailable(LMCacheMPError, ConnectionError):
     """The server could not be reached, or the connection was lost mid-request."""
+
+
+class ServerUnresponsive(ServerUnavailable):
+    """The server accepts the connection but answers nothing: a request went unanswered
+    and so did a NOOP sent after it (NOOP is answered on the server's message thread).
+    Its message thread has most likely died (a malformed message from any client kills
+    it for good), or the process is stopped. Calls then fail at once with this error
+    until the server answers again (probed at most about once a second, and again on
+    every reconnect, so a restarted server is used as soon as it is up)."""
 
 
 class ConnectionChanged(ServerUnavailable):

@@ -30,7 +30,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _token_tuple(token_ids: Any) -> tuple[int, ...]:
-    if hasattr(token_ids, "dtype") and hasattr(token_ids, "tolist"):  # numpy-like
+    kind = getattr(getattr(token_ids, "dtype", None), "kind", None)
+    if isinstance(kind, str) and hasattr(token_ids, "tolist"):  # numpy-like
         if getattr(token_ids, "ndim", 1) != 1:
             raise InvalidArgument("token_ids must be one-dimensional")
         if token_ids.dtype.kind not in "iu":
@@ -38,6 +39,12 @@ def _token_tuple(token_ids: Any) -> tuple[int, ...]:
         if len(token_ids) and (int(token_ids.min()) < 0 or int(token_ids.max()) > 2**32 - 1):
             raise InvalidArgument("token ids must fit in uint32 (0 <= id < 2**32)")
         return tuple(token_ids.tolist())
+    if hasattr(token_ids, "tolist") and not isinstance(token_ids, (list, tuple)):
+        try:  # e.g. a torch tensor: checked as the list it converts to
+            token_ids = token_ids.tolist()
+        except Exception as exc:  # noqa: BLE001 - any failure means "not token ids"
+            raise InvalidArgument(f"token_ids: cannot read {type(token_ids).__name__}: "
+                                  f"{exc}") from None
     if not isinstance(token_ids, (list, tuple)):
         raise InvalidArgument(
             f"token_ids must be a list, tuple or 1-D integer numpy array, "
@@ -148,6 +155,10 @@ class CacheKey:
 
     def replace(self, **changes: Any) -> CacheKey:
         """A copy with some fields changed (validated again)."""
+        unknown = set(changes) - set(self.__slots__)
+        if unknown:
+            raise InvalidArgument(f"CacheKey has no field {', '.join(sorted(unknown))}; "
+                                  f"fields: {', '.join(self.__slots__)}")
         fields = {name: getattr(self, name) for name in self.__slots__}
         fields.update(changes)
         return CacheKey(**fields)

@@ -24,7 +24,8 @@ from collections.abc import Callable
 
 from .connection import Connection
 from .engine_driven import PoolMaps
-from .errors import LMCacheMPError
+from .errors import ClientClosed, InvalidArgument, LMCacheMPError
+from .ipc.base import KVGeometry
 from .registration import Registration
 
 __all__ = ["Registry", "MIN_REAP_TIMEOUT"]
@@ -58,6 +59,7 @@ class Registry:
         self._on_recovered = on_recovered
         self._lock = threading.Lock()
         self._regs: dict[int, Registration] = {}
+        self._claims: dict[int, _LayoutKey] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -70,20 +72,21 @@ class Registry:
                 stacklevel=3)
 
     # ---------------------------------------------------------- the registry
-    def reserve(self, instance_id: int) -> None:
-        """Claim ``instance_id`` before registering it (refused if already held)."""
-        from .errors import InvalidArgument
-
+    def reserve(self, instance_id: int, model_name: str, world_size: int,
+                geometry: KVGeometry) -> None:
+        """Claim ``instance_id`` before registering it (refused if already held), and
+        the memory layout of (model, world size) on this server (see
+        :func:`_claim_layout`)."""
         with self._lock:
             if self._closed:
-                from .errors import ClientClosed
-
                 raise ClientClosed("the client is closed; create a new Client")
             if instance_id in self._regs:
                 raise InvalidArgument(
                     f"instance {instance_id} is already registered by this client; the server "
                     f"would silently keep the old registration: unregister it first")
+            claim = _claim_layout(self.conn.url, model_name, world_size, geometry)
             self._regs[instance_id] = _RESERVED
+            self._claims[instance_id] = claim
 
     def add(self, reg: Registration) -> None:
         """Hold ``reg`` (its id reserved before) and make sure the heartbeat runs."""
@@ -100,11 +103,13 @@ class Registry:
         with self._lock:
             if self._regs.get(instance_id) is _RESERVED:
                 del self._regs[instance_id]
+                _release_layout(self._claims.pop(instance_id, None))
 
     def discard(self, reg: Registration) -> None:
         with self._lock:
             if self._regs.get(reg.instance_id) is reg:
                 del self._regs[reg.instance_id]
+                _release_layout(self._claims.pop(reg.instance_id, None))
 
     def get(self, instance_id: int) -> Registration | None:
         reg = self._regs.get(instance_id)
@@ -178,6 +183,9 @@ class Registry:
         with self._lock:
             self._closed = True
             self._regs.clear()
+            for claim in self._claims.values():
+                _release_layout(claim)
+            self._claims.clear()
         self._stop.set()
 
     def join(self) -> None:
@@ -189,3 +197,57 @@ class Registry:
 
 
 _RESERVED: Registration = object()  # type: ignore[assignment]
+
+
+# ------------------------------------------------------- one layout per model
+# The server keeps one memory layout per (model, world size), the latest registered:
+# a second registration of the pair with another geometry makes every retrieve of the
+# first (and stored objects of the first shape) fail with a size mismatch, which the
+# caller sees only as a miss (False). The server cannot be asked, so this process
+# refuses it among the registrations it holds, per server URL and across clients.
+_LayoutKey = tuple[str, str, int]
+_Shape = tuple[int, int, int, str, bool]
+_layouts: dict[_LayoutKey, tuple[_Shape, int]] = {}
+_layouts_lock = threading.Lock()
+
+
+def _object_shape(g: KVGeometry) -> _Shape:
+    # What the server's chunk objects depend on; not the number of blocks, nor the
+    # block size (caches of one model with other block sizes share chunk objects).
+    return (g.num_layers, g.num_heads, g.head_dim, g.dtype, g.mla)
+
+
+def _describe(shape: _Shape) -> str:
+    layers, heads, dim, dtype, mla = shape
+    return (f"{layers} layers x {dim} {dtype} (MLA)" if mla
+            else f"{layers} layers x {heads} heads x {dim} {dtype}")
+
+
+def _claim_layout(url: str, model_name: str, world_size: int, g: KVGeometry) -> _LayoutKey:
+    key = (url, model_name, world_size)
+    shape = _object_shape(g)
+    with _layouts_lock:
+        held = _layouts.get(key)
+        if held is not None and held[0] != shape:
+            raise InvalidArgument(
+                f"model {model_name!r} / world_size {world_size} is already registered with "
+                f"{url} by this process for caches of {_describe(held[0])}; this cache has "
+                f"{_describe(shape)}. The server keeps one memory layout per (model, world "
+                f"size), so every retrieve of one of them would return False (the server "
+                f"only logs a size mismatch). Give this cache its own model_name, or "
+                f"unregister the other caches first.")
+        _layouts[key] = (shape, 1 if held is None else held[1] + 1)
+    return key
+
+
+def _release_layout(key: _LayoutKey | None) -> None:
+    if key is None:
+        return
+    with _layouts_lock:
+        held = _layouts.get(key)
+        if held is None:
+            return
+        if held[1] <= 1:
+            del _layouts[key]
+        else:
+            _layouts[key] = (held[0], held[1] - 1)

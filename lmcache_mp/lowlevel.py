@@ -73,6 +73,8 @@ class InstanceIdAPI:
 
     def _unregister(self, instance_id: int, mode: Mode, op: str, timeout: float | None,
                     unlink: bool) -> None:
+        if not isinstance(instance_id, int) or isinstance(instance_id, bool):
+            raise InvalidArgument(f"{op}: instance_id must be an int, got {instance_id!r}")
         reg = self._registry.get(instance_id)
         if reg is None:
             self._conn.call(op, (instance_id,), timeout)

@@ -31,7 +31,7 @@ from .blocks import BlockIds, TransferLayout, normalize_block_ids
 from .checks import is_int
 from .connection import Connection
 from .engine_driven import NO_POOL_HELP, Pool, PoolMaps
-from .errors import InvalidArgument, LMCacheMPError, ProtocolMismatch, RequestTimeout
+from .errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
 from .futures import ReplyFuture, blocking
 from .ipc.base import ExportableKVCache
 from .keys import CacheKey
@@ -41,7 +41,7 @@ from .protocol.types import (
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
 )
-from .transfers import remaining
+from .transfers import remaining, unsent, within
 
 if TYPE_CHECKING:
     from .request import Request
@@ -161,14 +161,14 @@ class Registration:
                 "this KV cache was closed or unlinked (its shared-memory names are gone), so "
                 "the server cannot map it again; allocate a new cache and register that")
         if self.mode == "lmcache":
-            payloads = conn.profile.register_payloads(
+            payloads = conn.profile_for(unsent(deadline, "REGISTER")).register_payloads(
                 self.instance_id, cache.export_layers(), self.model_name, self.world_size,
                 cache.kv_layout, self.groups)
-            op, p = conn.submit("REGISTER_KV_CACHE", payloads, remaining(deadline, "REGISTER"))
+            op, p = conn.submit("REGISTER_KV_CACHE", payloads, unsent(deadline, "REGISTER"))
             decode_reply(op, conn.transport.wait(p))
             return Binding(p.sent_epoch)
         op, p = conn.submit("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
-                            (self._engine_payload(),), remaining(deadline, "REGISTER"))
+                            (self._engine_payload(),), unsent(deadline, "REGISTER"))
         info: RegisterEngineDrivenContextResponse = decode_reply(op, conn.transport.wait(p))
         return self._bind_pool(info, p.sent_epoch, deadline)
 
@@ -247,13 +247,8 @@ class Registration:
         return self._recover(deadline, b)
 
     def _recover(self, deadline: float, seen: Binding) -> Binding:
-        # One re-registration at a time; the others wait for it within their own
-        # deadline, then use what it established.
-        if not self._recover_lock.acquire(timeout=remaining(deadline, "re-registering")):
-            raise RequestTimeout(
-                f"instance {self.instance_id}: another thread's re-registration did not "
-                f"finish within this call's deadline")
-        try:
+        restarted = False
+        with within(self._recover_lock, deadline, f"re-registering instance {self.instance_id}"):
             b = self._binding
             if b is None:
                 raise InvalidArgument(
@@ -261,7 +256,7 @@ class Registration:
             if b is not seen:
                 return b  # another thread re-registered meanwhile
             restarted = b.epoch != self._conn.transport.epoch or self._suspect
-            chunk = self._conn.chunk_size(remaining(deadline, "GET_CHUNK_SIZE"))
+            chunk = self._conn.chunk_size(unsent(deadline, "GET_CHUNK_SIZE"))
             if chunk != self.chunk_size:
                 raise ProtocolMismatch(
                     f"the server now uses chunk size {chunk}, but instance {self.instance_id} "
@@ -270,8 +265,6 @@ class Registration:
             new = self._register_on_server(deadline)
             self._bind(new, sent_at)
             self.recoveries += 1
-        finally:
-            self._recover_lock.release()
         log.info("lmcache_mp: re-registered instance %d (%s)", self.instance_id,
                  "new connection or failed heartbeat" if restarted else "silent too long")
         if restarted:

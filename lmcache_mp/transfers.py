@@ -12,14 +12,23 @@ registration was checked on (see :mod:`lmcache_mp.registration`).
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .engine_driven import copy_from_slots, copy_into_slots
-from .errors import ConnectionChanged, RequestTimeout
+from .errors import (
+    ConnectionChanged,
+    LMCacheMPError,
+    ProtocolMismatch,
+    RequestTimeout,
+    ServerUnavailable,
+)
 from .futures import ReplyFuture
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
@@ -31,7 +40,9 @@ from .transport import PendingRequest
 if TYPE_CHECKING:
     from .registration import Binding, Registration
 
-__all__ = ["server_copy", "engine_store", "engine_retrieve", "remaining"]
+__all__ = ["server_copy", "engine_store", "engine_retrieve", "remaining", "unsent", "within"]
+
+log = logging.getLogger("lmcache_mp")
 
 
 # ------------------------------------------------- LMCache-driven transfers
@@ -47,10 +58,10 @@ def server_copy(reg: Registration, op_name: str, key: CacheKey, groups: list[lis
 
     def submit() -> PendingRequest:
         b = reg._bound(deadline)
-        wire = conn.profile.transfer_key(key, worker)
+        wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key, worker)
         sent_at = time.monotonic()
         op, p = conn.submit(op_name, (wire, reg.instance_id, groups, event, *extra),
-                            remaining(deadline, op_name), epoch=b.epoch)
+                            unsent(deadline, op_name), epoch=b.epoch)
         sent.append((op, sent_at))
         return p
 
@@ -66,22 +77,23 @@ def server_copy(reg: Registration, op_name: str, key: CacheKey, groups: list[lis
 
 # ---------------------------------------------- engine-driven transfers
 def _prepare(reg: Registration, op_name: str, key: CacheKey,
-             deadline: float) -> tuple[Binding, Any, Any]:
-    """PREPARE_* bound to the current connection, re-registering when it changed."""
+             deadline: float) -> tuple[Binding, Any, Operation, list[bytes]]:
+    """PREPARE_* bound to the current connection, re-registering when it changed; the
+    reply frames, not yet decoded (a reply that cannot be read must still be followed
+    by the COMMIT that releases what the server took)."""
     conn = reg._conn
-    wire = None
     while True:
         b = reg._bound(deadline)
-        wire = conn.profile.transfer_key(key, reg._worker(key))
+        wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key, reg._worker(key))
         sent_at = time.monotonic()
         op, p = conn.submit(op_name, (wire, reg.instance_id),
-                            remaining(deadline, op_name), epoch=b.epoch)
+                            unsent(deadline, op_name), epoch=b.epoch)
         try:
-            prepared = decode_reply(op, conn.transport.wait(p))
+            frames = conn.transport.wait(p)
         except ConnectionChanged:
             continue
         reg._touch(sent_at)
-        return b, wire, prepared
+        return b, wire, op, frames
 
 
 def engine_store(reg: Registration, key: CacheKey, groups: list[list[int]],
@@ -90,35 +102,54 @@ def engine_store(reg: Registration, key: CacheKey, groups: list[list[int]],
     already cached get no slot: nothing to do for them)."""
     cache = reg.cache
     assert isinstance(cache, CpuKVCache)  # enforced at registration
-    b, wire, prepared = _prepare(reg, "PREPARE_STORE", key, deadline)
-    assert isinstance(prepared, PrepareStoreResponse) and b.pool is not None
-    ctx = prepared.context
-    if not ctx.slots:
-        return ReplyFuture.completed(True)  # every chunk is cached already
-    copy_into_slots(cache, np.asarray(groups[0], dtype=np.int64), ctx.slots,
-                    ctx.chunk_indices, b.pool, reg.chunk_size)
-    return _commit(reg, "COMMIT_STORE", (wire, reg.instance_id, b""), b, deadline, bool)
+    b, wire, op, frames = _prepare(reg, "PREPARE_STORE", key, deadline)
+    commit = (wire, reg.instance_id, b"")
+    try:
+        prepared = decode_reply(op, frames)
+        assert isinstance(prepared, PrepareStoreResponse) and b.pool is not None
+        ctx = prepared.context
+        if not ctx.slots and not ctx.chunk_indices:
+            return ReplyFuture.completed(True)  # every chunk is cached already
+        copy_into_slots(cache, np.asarray(groups[0], dtype=np.int64), ctx.slots,
+                        ctx.chunk_indices, b.pool, reg.chunk_size)
+    except BaseException as exc:
+        # The server holds a write reservation until COMMIT_STORE (else until its write
+        # TTL, 600 s, or the unregister; either way it then publishes the slots as they
+        # are, exactly as this COMMIT does): release it now, then say what happened.
+        _release(reg, "COMMIT_STORE", commit, b, deadline)
+        if isinstance(exc, ProtocolMismatch):
+            raise ProtocolMismatch(
+                f"{exc}. Nothing was copied; the COMMIT_STORE that releases the server's "
+                f"reservation was sent, and LMCache publishes reserved slots as written "
+                f"whatever they hold, so chunks of this key on the server may hold "
+                f"unwritten data: clear() its cache if that matters") from None
+        raise
+    return _commit(reg, "COMMIT_STORE", commit, b, deadline, bool)
 
 
 def engine_retrieve(reg: Registration, key: CacheKey, groups: list[list[int]], skip: int,
                     deadline: float) -> ReplyFuture[bool]:
     """PREPARE_RETRIEVE, copy the slots into the blocks, COMMIT_RETRIEVE (which releases
-    the LOOKUP's read locks, also when the copy failed)."""
+    the LOOKUP's read locks, also when the reply was unreadable or the copy failed)."""
     cache = reg.cache
     assert isinstance(cache, CpuKVCache)
-    b, wire, prepared = _prepare(reg, "PREPARE_RETRIEVE", key, deadline)
-    assert isinstance(prepared, PrepareRetrieveResponse) and b.pool is not None
-    if not prepared.success:
-        return ReplyFuture.completed(False)
+    b, wire, op, frames = _prepare(reg, "PREPARE_RETRIEVE", key, deadline)
+    commit = (wire, reg.instance_id)
     try:
+        prepared = decode_reply(op, frames)
+        assert isinstance(prepared, PrepareRetrieveResponse) and b.pool is not None
+        if not prepared.success:
+            return ReplyFuture.completed(False)  # the server released what it found
         copy_from_slots(cache, np.asarray(groups[0], dtype=np.int64),
                         prepared.context.slots, b.pool, reg.chunk_size, skip)
-    except BaseException:
-        # Release the read locks even when the copy failed.
-        _commit(reg, "COMMIT_RETRIEVE", (wire, reg.instance_id), b, deadline,
-                     _true).exception()
+    except BaseException as exc:
+        _release(reg, "COMMIT_RETRIEVE", commit, b, deadline)
+        if isinstance(exc, ProtocolMismatch):
+            raise ProtocolMismatch(
+                f"{exc}. No block was written; the COMMIT_RETRIEVE that releases the "
+                f"server's read locks was sent") from None
         raise
-    return _commit(reg, "COMMIT_RETRIEVE", (wire, reg.instance_id), b, deadline, _true)
+    return _commit(reg, "COMMIT_RETRIEVE", commit, b, deadline, _true)
 
 
 def _commit(reg: Registration, op_name: str, payloads: tuple[Any, ...], b: Binding,
@@ -135,15 +166,59 @@ def _commit(reg: Registration, op_name: str, payloads: tuple[Any, ...], b: Bindi
     return ReplyFuture(conn.transport, p, finish)
 
 
+def _release(reg: Registration, op_name: str, payloads: tuple[Any, ...], b: Binding,
+             deadline: float) -> None:
+    """Send the COMMIT that frees what a PREPARE took on the server, even when the
+    call's deadline has passed (the server needs it either way); wait for its reply
+    only within the deadline. Failures are logged: the caller raises its own error."""
+    conn = reg._conn
+    try:
+        _, p = conn.submit(op_name, payloads, max(deadline - time.monotonic(), 1.0),
+                           epoch=b.epoch)
+        conn.transport.wait_for(p, max(deadline - time.monotonic(), 0.0))
+        if not p.done:
+            conn.transport.cancel(p)  # sent; its reply is not needed
+        elif p.error is not None:
+            raise p.error
+    except LMCacheMPError as err:
+        log.warning("lmcache_mp: %s after a failed transfer was not confirmed: %s", op_name, err)
+
+
 def _true(_: Any) -> bool:
     return True
+
+
+@contextmanager
+def within(lock: threading.Lock, deadline: float, what: str) -> Iterator[None]:
+    """Hold ``lock``, waiting for it only until ``deadline`` (another thread holding it
+    must not make this call overstay its own deadline)."""
+    if not lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        # Nothing was sent: the server is being reached again, as for a call made
+        # while it is down.
+        raise ServerUnavailable(
+            f"{what}: not sent; the call's deadline passed while another thread was "
+            f"re-registering with a server that restarted or had dropped this registration")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def unsent(deadline: float, what: str) -> float:
+    """Like :func:`remaining`, for the steps of a (re-)registration done on a call's
+    behalf: once its deadline has passed, the call fails as unsent (ServerUnavailable),
+    like a call made while the server is down, which is what the caller sees happen."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ServerUnavailable(
+            f"{what}: not sent; the call's deadline passed while the client was registering "
+            f"with a server that restarted or had dropped this registration")
+    return left
 
 
 def remaining(deadline: float, what: str) -> float:
     """Seconds left before ``deadline``; RequestTimeout once it has passed."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise RequestTimeout(
-            f"{what}: the call's deadline passed before it could be sent (the client was "
-            f"re-registering with a server that restarted or had dropped this registration)")
+        raise RequestTimeout(f"{what}: the call's deadline passed before it could be sent")
     return left

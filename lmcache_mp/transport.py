@@ -15,6 +15,11 @@ frames after the uid. Design, for latency and for never hanging:
   delivered, stale, when a server appears. A socket monitor tells connection loss, so
   requests in flight fail at once when the server dies.
 * ``LINGER=0`` and a private context: ``close()`` returns at once and leaves no thread.
+* A request still unanswered near its deadline gets a NOOP probe sent after it, to tell
+  a rejected request from a server that answers nothing (:mod:`lmcache_mp.probing`).
+* ``MAXMSGSIZE``: a reply frame over :data:`MAX_REPLY_BYTES` is never buffered; ZMQ
+  drops the connection instead, the calls in flight fail at once saying so, and the
+  transport connects again (ZMQ itself would not after such a protocol error).
 """
 
 from __future__ import annotations
@@ -40,8 +45,17 @@ from .errors import (
     RequestTimeout,
     ServerUnavailable,
 )
+from .probing import PROBE_LEAD_S, PROBE_TIMEOUT_S, ProbeState
 
-__all__ = ["Transport", "PendingRequest"]
+__all__ = ["Transport", "PendingRequest", "MAX_REPLY_BYTES"]
+
+#: The largest reply frame accepted (``zmq.MAXMSGSIZE``). The largest reply an LMCache
+#: server sends this client is a PREPARE_* context, about 100 bytes per chunk slot, so
+#: 64 MiB is some 600,000 chunks (150 M tokens at 256-token chunks), far past any
+#: prompt; every other reply is a few bytes to a few kB. (Pickle-mode PREPARE_RETRIEVE
+#: carries tensors, but this client never uses that mode: it never unpickles.) Bounded,
+#: so a broken or foreign peer cannot make the client buffer gigabytes per frame.
+MAX_REPLY_BYTES = 64 << 20
 
 _MONITOR_EVENTS = (
     zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
@@ -123,30 +137,43 @@ class Transport:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context(io_threads=1)
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        # Retry a lost connection every 50 ms, backing off to at most 200 ms: a
-        # restarted server is reached within 0.2 s of listening (a refused connect
-        # to a co-located server costs next to nothing).
-        sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
-        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        sock: zmq.Socket[bytes] | None = None
+        monitor: zmq.Socket[bytes] | None = None
+        connecting = False
         try:
+            ctx = zmq.Context(io_threads=1)
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            # Retry a lost connection every 50 ms, backing off to at most 200 ms: a
+            # restarted server is reached within 0.2 s of listening (a refused connect
+            # to a co-located server costs next to nothing).
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+            if "://[" in url:  # an IPv6 literal (only then: names keep resolving to IPv4)
+                sock.setsockopt(zmq.IPV6, 1)
+            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+            connecting = True
             sock.connect(url)
-        except zmq.ZMQError as exc:
-            monitor.close(linger=0)
-            sock.close(linger=0)
-            ctx.term()
-            raise InvalidArgument(
-                f"cannot connect to {url!r}: {exc}; expected e.g. tcp://127.0.0.1:5555"
-            ) from None
-        wake_r, wake_w = os.pipe()
-        os.set_blocking(wake_r, False)
-        os.set_blocking(wake_w, False)
+            connecting = False
+            wake_r, wake_w = os.pipe()
+        except (zmq.ZMQError, OSError) as exc:
+            for s in (monitor, sock):
+                if s is not None:
+                    s.close(linger=0)
+            if ctx is not None:
+                ctx.term()
+            if connecting:
+                raise InvalidArgument(
+                    f"cannot connect to {url!r}: {exc}; expected e.g. tcp://127.0.0.1:5555"
+                ) from None
+            raise LMCacheMPError(
+                f"cannot set up the client's ZMQ socket for {url}: {exc} (out of file "
+                f"descriptors? close unused clients)") from None
         self._res = _Resources(ctx, sock, monitor, wake_r, wake_w)
         self._finalizer = weakref.finalize(self, self._res.release)
         self._sock = sock
@@ -160,10 +187,16 @@ class Transport:
         self._leader = threading.Lock()  # held by the thread driving the socket
         self._pending: dict[bytes, PendingRequest] = {}
         self._outbox: deque[PendingRequest] = deque()
+        # Put at the head of the outbox when the connection is lost (never sent).
+        self._barrier = PendingRequest(b"", "connection barrier", 0.0, [])
         self._followers: set[PendingRequest] = set()
         self._followers_lock = threading.Lock()
         self._uids = itertools.count()
         self._closed = False
+        # True once closed or while the server is judged unresponsive: the one flag
+        # submit() tests, so the gate costs nothing while the server answers.
+        self._gated = False
+        self.liveness = ProbeState(url)
         self.connected = False
         # Counts the connections made: a new one may lead to a new server process
         # (a restart), which knows nothing of what the old one was told.
@@ -185,8 +218,8 @@ class Transport:
         out = [uid, *frames]
         p = PendingRequest(uid, label, timeout, out, epoch)
         with self._lock:
-            if self._closed:
-                raise ClientClosed(f"the client for {self.url} is closed; create a new Client")
+            if self._gated:
+                self._check_gate_locked(label)  # raises unless the server answers again
             if epoch is not None:
                 if self._drain_monitor_locked() and self._leader.locked():
                     self._wake_leader()  # its requests may have been failed
@@ -210,6 +243,76 @@ class Transport:
                     self._wake_leader()
         return p
 
+    def _check_gate_locked(self, label: str) -> None:
+        """Closed: ClientClosed. Judged unresponsive: ServerUnresponsive at once, unless
+        a probe was answered or the socket connected again meanwhile (the gate lifts)."""
+        if self._closed:
+            raise ClientClosed(f"the client for {self.url} is closed; create a new Client")
+        woke = self._drain_monitor_locked()  # a new connection lifts the gate
+        woke += self._drain_inbound_locked()  # so may a probe's reply
+        if woke and self._leader.locked():
+            self._wake_leader()
+        live = self.liveness
+        if self._gated and live.answered():
+            self._lift_locked()
+        if not self._gated:
+            return
+        now = time.monotonic()
+        if live.reprobe_due(now):
+            self._send_probe_locked()
+        raise live.fast_fail(label, now)
+
+    def _lift_locked(self) -> None:
+        self.liveness.lift()
+        self._gated = self._closed
+
+    def _send_probe_locked(self) -> None:
+        """Send a NOOP probe (never waited on: its reply is looked at by verdicts and by
+        the gate). Like submit(), minus the gate and the epoch."""
+        frames = self.liveness.frames
+        assert frames is not None
+        uid = msgspec.msgpack.encode(next(self._uids))
+        out = [uid, *frames]
+        p = PendingRequest(uid, "a NOOP liveness probe", PROBE_TIMEOUT_S, out)
+        self._pending[uid] = p
+        if self._outbox or not self._send_locked(out):
+            self._outbox.append(p)
+        else:
+            p.out = None
+            p.sent = True
+            p.sent_epoch = self.epoch
+        dropped = self.liveness.add(p)
+        if dropped is not None and not dropped.done:
+            self._pending.pop(dropped.uid, None)
+            if dropped.out is not None:
+                try:
+                    self._outbox.remove(dropped)
+                except ValueError:
+                    pass
+            dropped.fail(RequestTimeout("superseded by a newer probe"))
+        if self._leader.locked() and self._drain_inbound_locked():
+            self._wake_leader()
+
+    def declare_unresponsive(self, frames: list[bytes]) -> None:
+        """Gate the transport: the protocol detection got no answer at all. Probes are
+        ``frames`` (a request answered on the server's message thread in every
+        release) until the protocol is known; the first answer lifts the gate."""
+        with self._lock:
+            if self._closed:
+                return
+            live = self.liveness
+            if live.frames is None:
+                live.frames = frames
+            self._send_probe_locked()
+            live.since = time.monotonic()
+            self._gated = True
+
+    def _probe_for(self, p: PendingRequest) -> None:
+        """``p`` is still unanswered near its deadline: make sure a probe follows it."""
+        with self._lock:
+            if not self._closed and self.liveness.needs_probe(p):
+                self._send_probe_locked()
+
     def _send_locked(self, frames: list[bytes]) -> bool:
         send = self._sock.send
         try:
@@ -230,6 +333,11 @@ class Transport:
         outbox = self._outbox
         while outbox:
             p = outbox[0]
+            if p is self._barrier:  # nothing goes out until the new connection is up
+                if not self.connected:
+                    break
+                outbox.popleft()
+                continue
             if p.done:  # expired while waiting for a connection
                 outbox.popleft()
                 continue
@@ -289,10 +397,22 @@ class Transport:
             self.connected = True
             self._ever_connected = True
             self.epoch += 1
+            if self._outbox and self._outbox[0] is self._barrier:
+                self._outbox.popleft()  # the lost connection's pipe is gone by now
+            # Possibly a restarted server: whatever the last one did not answer says
+            # nothing about this one.
+            if self._gated:
+                self._lift_locked()
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self._refused += 1
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = False
+            # ZMQ detaches the lost connection's pipe a moment after this event: until
+            # then a send would vanish into it. Hold every send until a new connection.
+            if not (self._outbox and self._outbox[0] is self._barrier):
+                self._outbox.appendleft(self._barrier)
+            if self._gated:  # the verdict was about that connection; calls now wait
+                self._lift_locked()  # for a new one within their deadlines
             # Replies to requests sent on the lost connection can never arrive: the
             # server's ROUTER sees a new peer after a reconnect.
             lost = [p for p in self._pending.values() if p.sent]
@@ -300,9 +420,20 @@ class Transport:
                 del self._pending[p.uid]
                 p.fail(ServerUnavailable(
                     f"lost the connection to the LMCache server at {self.url} while waiting "
-                    f"for the reply to {p.label}; the server exited or restarted, and the "
-                    f"request may or may not have been executed. Check the server, then retry."
+                    f"for the reply to {p.label}: the server exited or restarted, or a reply "
+                    f"frame exceeded this client's {MAX_REPLY_BYTES >> 20} MiB limit "
+                    f"(zmq.MAXMSGSIZE; no LMCache server sends one: a bug, or not an LMCache "
+                    f"server). The request may or may not have been executed. Check the "
+                    f"server, then retry (the client connects again by itself)."
                 ))
+            # After a protocol error (an oversized frame) ZMQ ends the connection for
+            # good instead of reconnecting; starting it afresh covers that and is the
+            # same as ZMQ's own reconnect otherwise.
+            try:
+                self._sock.disconnect(self.url)
+            except zmq.ZMQError:
+                pass
+            self._sock.connect(self.url)
 
     def _wake_leader(self) -> None:
         try:
@@ -314,7 +445,10 @@ class Transport:
     def wait(self, p: PendingRequest) -> list[bytes]:
         """Block until ``p`` completes or its deadline passes; return the reply frames."""
         if not p.done:
-            self._await(p, p.deadline)
+            self._await(p, p.deadline - min(p.timeout * 0.5, PROBE_LEAD_S))  # probe_point
+            if not p.done:  # no reply yet, near the deadline: is anything answering?
+                self._probe_for(p)
+                self._await(p, p.deadline)
         if p.error is not None:
             raise p.error
         assert p.frames is not None
@@ -410,9 +544,10 @@ class Transport:
             if remaining <= 0:
                 return
             wait_ms = max(1, int(remaining * 1000 + 0.999))
-            if self._outbox:
+            if self._outbox and (self.connected or self._outbox[0] is not self._barrier):
                 # ZMQ's fd does not reliably signal when a new connection's pipe becomes
-                # writable, so retry queued sends on a short period until it does.
+                # writable, so retry queued sends on a short period until it does
+                # (behind the barrier, the monitor's fd signals the connection).
                 wait_ms = min(wait_ms, _OUTBOX_RETRY_MS)
             check_monitor = False
             for fd, _ in poller.poll(wait_ms):
@@ -426,17 +561,17 @@ class Transport:
 
     def _expire(self, p: PendingRequest) -> None:
         with self._lock:
+            if p.sent and not p.done and self._drain_inbound_locked():
+                # Replies were waiting unread (this one's, or a probe's).
+                if self._leader.locked():
+                    self._wake_leader()
             if p.done:
                 return
             self._pending.pop(p.uid, None)
             if p.sent:
-                err: LMCacheMPError = RequestTimeout(
-                    f"no reply to {p.label} from the LMCache server at {self.url} within "
-                    f"{p.timeout:g} s. The server sends no reply when it rejects a request "
-                    f"(its log says why); if it no longer answers anything (try "
-                    f"`lmcache-mp ping {self.url}`), its message thread has died: restart it. "
-                    f"Raise the timeout only if the server is merely slow."
-                )
+                err: LMCacheMPError = self.liveness.verdict(p, time.monotonic())
+                if self.liveness.since is not None:
+                    self._gated = True
             else:
                 try:
                     self._outbox.remove(p)
@@ -478,6 +613,7 @@ class Transport:
             if self._closed:
                 return
             self._closed = True
+            self._gated = True
             victims = list(self._pending.values())
             self._pending.clear()
             self._outbox.clear()

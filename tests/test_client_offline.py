@@ -310,9 +310,11 @@ def test_silence_longer_than_the_reap_budget_re_registers(fake: FakeServer,
 
 # ------------------------------------------------------------ deadlines, API
 def test_per_call_timeout_is_honoured(fake: FakeServer) -> None:
-    fake.drop.update({"NOOP", "GET_EXPERIMENTAL"})
+    # NOOP stays answered: it is the probe that tells a dropped request (RequestTimeout)
+    # from a server that answers nothing (ServerUnresponsive).
+    fake.drop.update({"CLEAR", "GET_EXPERIMENTAL"})
     with Client(fake.url, protocol="0.5.3", timeout=10) as c:
-        for call in (lambda: c.noop(timeout=0.2), lambda: c.get_experimental(timeout=0.2),
+        for call in (lambda: c.clear(timeout=0.2), lambda: c.get_experimental(timeout=0.2),
                      lambda: c.get_experimental_async(timeout=0.2).result()):
             start = time.monotonic()
             with pytest.raises(RequestTimeout):

@@ -11,18 +11,23 @@ plane, ``[num_blocks, block_size, head_dim]``.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..checks import positive_int
+from ..checks import is_int, positive_int
 from ..errors import InvalidArgument
 from .base import STORAGE_DTYPES, KVGeometry, KVLayout, LayerExport, ShmLayerExport
-from .shm import ShmSegment
+from .shm import SHM_DIR, ShmSegment, shm_free_bytes, sweep_dead_segments
 
-__all__ = ["CpuKVCache", "KVGeometry", "STORAGE_DTYPES"]
+__all__ = ["CpuKVCache", "KVGeometry", "STORAGE_DTYPES", "MAX_LAYERS"]
+
+#: Each layer is one segment, one file descriptor while created and one mapping
+#: (Linux allows 65530 per process by default).
+MAX_LAYERS = 1024
 
 
 def _release(segments: Sequence[ShmSegment]) -> None:
@@ -58,11 +63,20 @@ class CpuKVCache:
         dtype: str = "bfloat16",
         mla: bool = False,
     ) -> CpuKVCache:
-        """Allocate ``num_layers`` zero-filled layer tensors in shared memory."""
-        if dtype not in STORAGE_DTYPES:
+        """Allocate ``num_layers`` zero-filled layer tensors in shared memory, all pages
+        up front (a cache larger than ``/dev/shm`` has free is refused here, instead of
+        crashing with SIGBUS when first written). Segments left in ``/dev/shm`` by
+        processes that died without closing their caches are removed first."""
+        if not isinstance(dtype, str) or dtype not in STORAGE_DTYPES:
             raise InvalidArgument(
                 f"dtype {dtype!r} is not supported; use one of {', '.join(STORAGE_DTYPES)}"
             )
+        if not isinstance(mla, bool):
+            raise InvalidArgument(f"mla must be a bool, got {mla!r}")
+        if is_int(num_layers) and num_layers > MAX_LAYERS:
+            raise InvalidArgument(
+                f"num_layers={num_layers}: at most {MAX_LAYERS} (one segment and mapping per "
+                f"layer; no model has more than a few hundred layers)")
         geometry = KVGeometry(
             positive_int("num_layers", num_layers),
             positive_int("num_blocks", num_blocks),
@@ -74,6 +88,16 @@ class CpuKVCache:
         )
         if mla and num_heads != 1:
             raise InvalidArgument("an MLA cache has one latent head: pass num_heads=1")
+        sweep_dead_segments()
+        # Python ints: numpy's int64 products would wrap around for absurd shapes.
+        layer_bytes = math.prod(geometry.layer_shape) * geometry.itemsize
+        free = shm_free_bytes()
+        if layer_bytes * num_layers > free:
+            raise InvalidArgument(
+                f"a {num_layers}-layer cache of {layer_bytes / 2**30:.3g} GiB per layer "
+                f"needs {layer_bytes * num_layers / 2**30:.3g} GiB of shared memory, but "
+                f"{SHM_DIR} has {free / 2**30:.3g} GiB free: use fewer blocks, or enlarge "
+                f"{SHM_DIR} (docker: --shm-size)")
         segments: list[ShmSegment] = []
         try:
             for i in range(num_layers):

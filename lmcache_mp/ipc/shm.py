@@ -3,20 +3,32 @@ server's L1 pool in engine-driven mode).
 
 Linux exposes a POSIX segment ``/name`` as the file ``/dev/shm/name``; opening that file
 is ``shm_open`` without ctypes. Segments are created mode 0600, like LMCache's own:
-client and server must run as the same user.
+client and server must run as the same user. Their pages are allocated up front
+(``posix_fallocate``), so a full ``/dev/shm`` is an error at creation, never a SIGBUS
+at first touch.
+
+A process killed with SIGKILL never unlinks its segments. Their names carry the
+creator's pid and pid namespace, so :func:`sweep_dead_segments` (run whenever a cache is
+allocated, and by ``lmcache-mp clean``) can remove those whose creator is gone.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
+import logging
 import mmap
 import os
 import re
 import secrets
+from dataclasses import dataclass
 
 from ..errors import InvalidArgument, LMCacheMPError
 
-__all__ = ["SHM_DIR", "NAME_PREFIX", "ShmSegment", "map_existing", "shm_path"]
+__all__ = ["SHM_DIR", "NAME_PREFIX", "ShmSegment", "map_existing", "shm_path",
+           "shm_free_bytes", "sweep_dead_segments", "Swept"]
+
+log = logging.getLogger("lmcache_mp")
 
 SHM_DIR = "/dev/shm"
 # Every segment this package creates starts with this prefix, so tests and CI can
@@ -59,17 +71,27 @@ class ShmSegment:
         _check_platform()
         if nbytes <= 0:
             raise InvalidArgument(f"a shared-memory segment needs a positive size, got {nbytes}")
+        if not tag.isalnum() or not tag.isascii():
+            raise InvalidArgument(f"a segment tag must be ASCII letters and digits, got {tag!r}")
         # pid + counter make names unique per process; the random part guards against
-        # a stale segment left by a crashed process that had the same pid.
-        name = f"{NAME_PREFIX}{os.getpid()}_{next(_counter)}_{tag}_{secrets.token_hex(4)}"
+        # a stale segment left by a crashed process that had the same pid. The pid
+        # namespace says which processes' pids these are (see sweep_dead_segments).
+        name = (f"{NAME_PREFIX}{os.getpid()}_{_pid_namespace()}_{next(_counter)}_{tag}_"
+                f"{secrets.token_hex(4)}")
         path = shm_path(name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise LMCacheMPError(f"cannot create the shared-memory segment {path}: {exc}") from None
+        try:
+            _reserve(fd, nbytes, path)
             buffer = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
             os.unlink(path)
+            if isinstance(exc, OSError):
+                raise LMCacheMPError(
+                    f"cannot map a {nbytes}-byte shared-memory segment: {exc}") from None
             raise
         os.close(fd)
         return cls(name, nbytes, buffer)
@@ -127,3 +149,131 @@ def map_existing(name: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+# ------------------------------------------------------------ allocation
+def shm_free_bytes() -> int:
+    """Bytes an unprivileged process may still allocate in ``/dev/shm``."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+def _reserve(fd: int, nbytes: int, path: str) -> None:
+    """Size the segment and allocate its pages now. A tmpfs file only sized with
+    ftruncate is sparse: on a full /dev/shm the first write to a missing page kills the
+    process with SIGBUS, long after allocation "succeeded"."""
+    os.ftruncate(fd, nbytes)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise InvalidArgument(
+                f"not enough shared memory for a {nbytes / 2**20:.1f} MiB segment "
+                f"({path}): {SHM_DIR} has {shm_free_bytes() / 2**20:.1f} MiB free; use fewer "
+                f"blocks or layers, or enlarge {SHM_DIR} (docker: --shm-size)") from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        # A file system without fallocate: the caller's free-space check stands.
+
+
+# ------------------------------------------------------------ the sweep
+_OURS = re.compile(r"^" + re.escape(NAME_PREFIX) + r"(\d+)_(\d+)_\d+_[A-Za-z0-9]+_[0-9a-f]{8}$")
+# Process start times come from /proc in clock ticks since boot, and the boot time in
+# whole seconds: a process counts as started after a segment only by this margin.
+_START_MARGIN_S = 2.0
+
+
+def _pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 if unknown: never swept)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+@dataclass(frozen=True)
+class Swept:
+    """What one sweep removed (and found, but kept because its creator lives on)."""
+
+    removed: tuple[str, ...]
+    kept_alive: int
+    freed_bytes: int
+
+
+def _boot_time() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return float(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _started_at(pid: int, btime: float | None) -> float | None:
+    """When ``pid`` started (epoch seconds); None if no such live process (gone, or a
+    zombie: a dead process not yet reaped, which will never touch memory again)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:  # no such process (or thread) in our pid namespace
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    if fields[0] in ("Z", "X"):
+        return None
+    if btime is None:
+        return float("inf")  # alive, start unknown: never treated as recycled
+    return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def sweep_dead_segments(*, dry_run: bool = False) -> Swept:
+    """Remove (unless ``dry_run``) this package's segments whose creating process is gone.
+
+    Only names this package makes (``lmcache_mp_<pid>_<pidns>_...``), only those owned
+    by this user, only from this process's pid namespace (another namespace's pids say
+    nothing here: containers sharing /dev/shm), never this process's own. A segment
+    whose pid is alive is kept unless that process started after the segment was
+    created (the pid was reused). A server that mapped a removed segment keeps its
+    mapping: removing the name only frees the memory once nobody maps it.
+    """
+    ns = _pid_namespace()
+    if not ns or not os.path.isdir(SHM_DIR):
+        return Swept((), 0, 0)
+    me, uid, btime = os.getpid(), os.getuid(), _boot_time()
+    removed: list[str] = []
+    kept = freed = 0
+    starts: dict[int, float | None] = {}
+    for name in os.listdir(SHM_DIR):
+        m = _OURS.match(name)
+        if m is None or int(m.group(2)) != ns:
+            continue
+        pid = int(m.group(1))
+        if pid == me:
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # removed meanwhile
+        if st.st_uid != uid:
+            continue
+        if pid not in starts:
+            starts[pid] = _started_at(pid, btime)
+        started = starts[pid]
+        # The segment existed by its earliest timestamp; a process that started
+        # clearly later cannot have created it.
+        if started is not None and started <= min(st.st_mtime, st.st_ctime) + _START_MARGIN_S:
+            kept += 1
+            continue
+        if not dry_run:
+            try:
+                os.unlink(path)
+            except OSError:
+                continue
+        removed.append(name)
+        freed += st.st_blocks * 512
+    if removed and not dry_run:
+        log.warning("lmcache_mp: removed %d shared-memory segment(s) left by dead processes "
+                    "(%.1f MiB): %s", len(removed), freed / 2**20, ", ".join(sorted(removed)))
+    return Swept(tuple(sorted(removed)), kept, freed)

@@ -99,6 +99,10 @@ class Operation:
 KeyBuilder = Callable[[Any, "int | None", int], msgspec.Struct]
 
 
+#: LMCache's ``MAX_READ_LOCK_COUNT`` (l1_manager.py, 0.5.3-0.5.6): read locks per object.
+MAX_READ_LOCKS = 128
+
+
 def kv_readers(tp_size: int, world_size: int) -> int:
     """Read locks per looked-up chunk: how many workers will retrieve it.
 
@@ -111,7 +115,15 @@ def kv_readers(tp_size: int, world_size: int) -> int:
 
         raise InvalidArgument(f"tp_size must be a positive int, got {tp_size!r}")
     tp = tp_size if tp_size > 1 else world_size
-    return 1 + (tp - 1 if tp > world_size else 0)
+    readers = 1 + (tp - 1 if tp > world_size else 0)
+    if readers > MAX_READ_LOCKS:
+        from ..errors import InvalidArgument
+
+        raise InvalidArgument(
+            f"tp_size={tp_size} asks for {readers} read locks per chunk; LMCache servers hold "
+            f"at most {MAX_READ_LOCKS} (they clamp silently, and the extra retrieves would "
+            f"miss): use tp_size <= {MAX_READ_LOCKS}")
+    return readers
 
 
 @dataclass(frozen=True)
