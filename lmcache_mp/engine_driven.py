@@ -134,10 +134,13 @@ def copy_into_slots(
     g = cache.geometry
     per_chunk = chunk_size // g.block_size
     num_chunks = len(ids) // per_chunk
-    for slot, ci in zip(slots, chunk_indices, strict=True):
+    for ci in chunk_indices:
         if not 0 <= ci < num_chunks:
             raise ProtocolMismatch(f"PREPARE_STORE named chunk {ci} of a {num_chunks}-chunk key")
-        target = slot_view(pool, slot, g, chunk_size)
+    # Every slot is checked before the first copy: a context that is wrong anywhere
+    # writes nothing.
+    targets = [slot_view(pool, slot, g, chunk_size) for slot in slots]
+    for target, ci in zip(targets, chunk_indices, strict=True):
         gather_chunk(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], target, g)
 
 
@@ -157,7 +160,7 @@ def copy_from_slots(
         raise ProtocolMismatch(f"PREPARE_RETRIEVE returned {len(slots)} slots for "
                                f"{len(ids) // per_chunk} chunks")
     skip_blocks = skip_first_n_tokens // g.block_size
-    for ci, slot in enumerate(slots):
-        scatter_chunk(slot_view(pool, slot, g, chunk_size), cache.layers,
-                      ids[ci * per_chunk : (ci + 1) * per_chunk], g,
+    sources = [slot_view(pool, slot, g, chunk_size) for slot in slots]  # all checked first
+    for ci, source in enumerate(sources):
+        scatter_chunk(source, cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], g,
                       skip_blocks=max(0, skip_blocks - ci * per_chunk))
