@@ -118,5 +118,14 @@ def test_wire_key_has_exactly_the_eight_0_5_3_fields_in_order() -> None:
         "model_name", "world_size", "worker_id", "token_ids", "start", "end", "request_id",
         "cache_salt",
     )
-    wire = profile.build_key(make(), None, 1)
-    assert wire.worker_id is None  # type: ignore[attr-defined]
+    # Every field set to a non-default value, so a builder that drops or defaults one
+    # (the salt to "", the worker id to None) shows.
+    key = make(world_size=4, worker_id=3, token_ids=list(range(7, 519)), start=256, end=512,
+               request_id="rid-9", cache_salt="tenant-3", model_name="model-x")
+    lookup, tp = profile.all_ranks_payloads(key, 2)
+    transfer = profile.transfer_key(key, 1)
+    expected = ["model-x", 4, None, tuple(range(7, 519)), 256, 512, "rid-9", "tenant-3"]
+    assert [getattr(lookup, f) for f in profile.key_type.__struct_fields__] == expected
+    assert tp == 2  # LOOKUP's second payload on 0.5.3: readers are the server's to derive
+    expected[2] = 1  # a transfer names the rank it moves, not the key's
+    assert [getattr(transfer, f) for f in profile.key_type.__struct_fields__] == expected
