@@ -84,6 +84,8 @@ class Replay:
         self.replies = replies
         self.late = late
         self.sent: list[tuple[str, list[Any]]] = []
+        self.calls = 0
+        self._names: set[str] = set()
         self._answered: dict[str, list[bytes] | None] = {}
         self._held: dict[str, list[bytes]] = {}
 
@@ -107,6 +109,9 @@ class Replay:
 
     def __call__(self, batch: Sequence[tuple[str, list[bytes]]], until: str,
                  timeout: float) -> dict[str, list[bytes] | None]:
+        self.calls += 1
+        self._names.update(name for name, _ in batch)
+        assert until in self._names, f"detect waits for {until!r}, which it never sent"
         # Replies held back in an earlier exchange arrive now.
         for name, frames in list(self._held.items()):
             self._answered[name] = frames

@@ -503,3 +503,258 @@ def test_a_restarted_server_with_another_chunk_size_is_refused(fake: FakeServer,
         with pytest.raises(ProtocolMismatch, match="chunk size 512"):
             reg.store(key(reg, tokens(1)), list(range(PER_CHUNK)))
         assert "STORE" not in fake.ops()
+
+
+# ------------------------------------------------ registration bookkeeping
+@pytest.mark.parametrize("answer", [{"shm_name": "", "pool_size": 0},
+                                    {"shm_name": "somepool", "pool_size": 0},
+                                    {"shm_name": "", "pool_size": 4096}])
+def test_a_server_without_a_pool_gets_a_server_copy_registration_in_auto_mode(
+        fake: FakeServer, kv: CpuKVCache, answer: dict[str, Any]) -> None:
+    fake.hooks["REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT"] = lambda p: answer
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m")
+        assert reg.mode == "lmcache" and reg.pool_info is None
+        ops = fake.ops()
+        # The half-made engine-driven context is taken back before the fallback.
+        undo = ops.index("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT")
+        assert undo < ops.index("REGISTER_KV_CACHE")
+        assert fake.requests("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT")[0].payloads == \
+            [reg.instance_id]
+        assert len(c._registry.pools) == 0
+        reg.unregister()
+
+
+@pytest.mark.parametrize("answer", [{"shm_name": "", "pool_size": 0},
+                                    {"shm_name": "somepool", "pool_size": 0}])
+def test_engine_mode_on_a_server_without_a_pool_is_refused_and_undone(
+        fake: FakeServer, kv: CpuKVCache, answer: dict[str, Any]) -> None:
+    fake.hooks["REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT"] = lambda p: answer
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        with pytest.raises(ProtocolMismatch, match="--shm-name"):
+            c.register(kv, model_name="m", mode="engine", instance_id=5)
+        assert [s.payloads for s in fake.requests(
+            "UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT")] == [[5]]
+        assert c.registrations == [] and len(c._registry.pools) == 0
+
+
+def test_any_named_pool_of_some_size_is_taken(fake: FakeServer, kv: CpuKVCache) -> None:
+    assert fake.pool is not None
+    fake.hooks["REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT"] = lambda p: {
+        "shm_name": fake.pool.name, "pool_size": 1}  # type: ignore[union-attr]
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m")
+        assert reg.mode == "engine" and reg.pool_info is not None
+        assert reg.pool_info.pool_size == 1
+        reg.unregister()
+
+
+@pytest.mark.parametrize("mode", ["lmcache", "engine"])
+def test_registering_again_happens_only_when_needed(fake: FakeServer, kv: CpuKVCache,
+                                                    mode: str) -> None:
+    fake.slot_geometry = slot(kv, 0)
+    register_op = "REGISTER_KV_CACHE" if mode == "lmcache" else \
+        "REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT"
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=3) as c:
+        reg = c.register(kv, model_name="m", mode=mode)  # type: ignore[arg-type]
+        for seed in range(2):  # a fresh registration is bound: no REGISTER before these
+            assert reg.store(key(reg, tokens(1, seed)), list(range(PER_CHUNK))) is True
+        assert len(fake.requests(register_op)) == 1
+        for n in (1, 2):
+            epoch = c._conn.transport.epoch
+            fake.restart()
+            deadline = time.monotonic() + 3
+            while c._conn.transport.refresh() == epoch and time.monotonic() < deadline:
+                time.sleep(0.01)
+            for seed in range(2):  # one REGISTER per restart, not per transfer
+                assert reg.store(key(reg, tokens(1, 10 * n + seed)),
+                                 list(range(PER_CHUNK))) is True
+            assert len(fake.requests(register_op)) == 1 + n
+            assert reg.recoveries == n
+            # The old connection's pool mapping is given back.
+            assert len(c._registry.pools) == (1 if mode == "engine" else 0)
+        reg.unregister(unlink=False)
+        assert fake.ops()[-1] == ("UNREGISTER_KV_CACHE" if mode == "lmcache"
+                                  else "UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT")
+        assert len(c._registry.pools) == 0
+
+
+def test_an_unlinked_cache_cannot_be_registered_again(fake: FakeServer) -> None:
+    with kv_cache() as cache, Client(fake.url, protocol="0.5.3", heartbeat_interval=None,
+                                     timeout=3) as c:
+        reg = c.register(cache, model_name="m", mode="lmcache")
+        cache.unlink()  # the server could not map it again
+        epoch = c._conn.transport.epoch
+        fake.restart()
+        deadline = time.monotonic() + 3
+        while c._conn.transport.refresh() == epoch and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(InvalidArgument, match="closed or unlinked"):
+            reg.store(key(reg, tokens(1)), list(range(PER_CHUNK)))
+        assert fake.requests("REGISTER_KV_CACHE")[1:] == []
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_register_sends_the_layout_hint_of_the_cache(fake: FakeServer, mla: bool) -> None:
+    with kv_cache(mla=mla) as cache, Client(fake.url, protocol="0.5.3",
+                                            heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(cache, model_name="m", mode="lmcache")
+        (register,) = fake.requests("REGISTER_KV_CACHE")
+        # CPU servers read 5-D layers as HND; MLA layers have no head axis: no hint.
+        assert register.payloads[5] == ({} if mla else {"kv_layout": "HND"})
+        assert register.payloads[4] == "vllm"
+        reg.unregister()
+
+
+@pytest.mark.parametrize("mode", ["lmcache", "engine"])
+def test_a_transfer_names_the_keys_rank_else_the_registrations(fake: FakeServer,
+                                                               kv: CpuKVCache,
+                                                               mode: str) -> None:
+    fake.slot_geometry = slot(kv, 0)
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m", mode=mode, world_size=2,  # type: ignore[arg-type]
+                         worker_id=1)
+        op = "STORE" if mode == "lmcache" else "PREPARE_STORE"
+        reg.store(key(reg, tokens(1, 1)), list(range(PER_CHUNK)))
+        reg.store(key(reg, tokens(1, 2), worker_id=0), list(range(PER_CHUNK)))
+        assert [s.payloads[0]["worker_id"] for s in fake.requests(op)] == [1, 0]
+        reg.unregister()
+
+
+def test_registration_lookup_counts_tokens_and_checks_the_key(fake: FakeServer,
+                                                              kv: CpuKVCache) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        toks = tokens(3)
+        reg.store(key(reg, toks), list(range(3 * PER_CHUNK)))
+        assert reg.lookup(key(reg, toks)) == 3 * CHUNK
+        assert c.lookup(key(reg, toks)) == 3  # the control plane counts chunks
+        other = CacheKey(model_name="other", world_size=1, worker_id=None, token_ids=toks,
+                         start=0, end=CHUNK, request_id="r")
+        with pytest.raises(InvalidArgument, match="model 'm'"):
+            reg.lookup(other)
+        with pytest.raises(InvalidArgument):
+            reg.lookup("not a key")  # type: ignore[arg-type]
+        reg.unregister()
+
+
+@pytest.mark.parametrize("skip, ok", [(0, True), (2 * CHUNK, True), (2 * CHUNK + 1, False),
+                                      (-1, False), (True, False), (16.0, False)])
+def test_skip_first_n_tokens_bounds(fake: FakeServer, kv: CpuKVCache, skip: Any,
+                                    ok: bool) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        k = key(reg, tokens(2))
+        if ok:
+            reg.retrieve(k, list(range(2 * PER_CHUNK)), skip_first_n_tokens=skip)
+            assert fake.requests("RETRIEVE")[-1].payloads[4] == skip
+        else:
+            with pytest.raises(InvalidArgument, match="skip_first_n_tokens"):
+                reg.retrieve(k, list(range(2 * PER_CHUNK)), skip_first_n_tokens=skip)
+            assert fake.requests("RETRIEVE") == []
+        reg.unregister()
+
+
+def test_engine_store_with_everything_cached_and_a_retrieve_miss(fake: FakeServer,
+                                                                 kv: CpuKVCache) -> None:
+    c, reg = engine_client(fake, kv)
+    with c:
+        fake.slot_geometry = slot(kv, 0)
+        assert reg.store(key(reg, tokens(1)), list(range(PER_CHUNK))) is True
+        (commit,) = fake.requests("COMMIT_STORE")
+        assert commit.payloads[2] == b""  # SHM mode: the data travels in the pool
+        # Already cached: no slot, nothing to copy or commit, and stored all the same.
+        fake.hooks["PREPARE_STORE"] = lambda p: {"context": {"slots": [], "chunk_indices": []}}
+        assert reg.store(key(reg, tokens(1)), list(range(PER_CHUNK))) is True
+        assert len(fake.requests("COMMIT_STORE")) == 1
+        # A miss is False, and nothing is committed.
+        assert reg.retrieve(key(reg, tokens(1, seed=4)), list(range(PER_CHUNK))) is False
+        assert fake.requests("COMMIT_RETRIEVE") == []
+        reg.unregister()
+
+
+# ------------------------------------------------------- request bookkeeping
+def test_request_lock_counts_through_repeated_lookups_and_sub_range_retrieves(
+        fake: FakeServer, kv: CpuKVCache) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        toks = tokens(3)
+        with reg.request(toks) as w:
+            w.store(list(range(3 * PER_CHUNK)))
+        req = reg.request(toks)
+        assert req.held_locks == 0
+        assert req.lookup() == 3 * CHUNK and req.lookup() == 3 * CHUNK
+        assert req.held_locks == 6
+        # Retrieving chunk 1 only gives back chunk 1's lock (one of its two).
+        assert req.retrieve(list(range(PER_CHUNK)), start=CHUNK, end=2 * CHUNK) is True
+        assert req.held_locks == 5
+        req.close()
+        assert req.held_locks == 0
+        frees = [(f.payloads[0]["start"], f.payloads[0]["end"])
+                 for f in fake.requests("FREE_LOOKUP_LOCKS")]
+        assert sorted(frees) == sorted([(0, 3 * CHUNK), (0, CHUNK), (2 * CHUNK, 3 * CHUNK)])
+        assert all(v == 0 for v in fake.state.locks.values())
+        reg.unregister()
+
+
+def test_an_unused_request_closes_without_a_word(fake: FakeServer, kv: CpuKVCache) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        mark = len(fake.seen)
+        with reg.request(tokens(1)) as req:
+            assert req.held_locks == 0
+        assert fake.ops()[mark:] == []
+        reg.unregister()
+
+
+def test_held_runs_frees_each_lock_once() -> None:
+    from lmcache_mp.request import _held_runs
+
+    assert _held_runs([2, 2, 1, 0, 1]) == [(0, 3), (4, 5), (0, 2)]
+    assert _held_runs([0, 1, 1, 0, 0, 3]) == [(1, 3), (5, 6), (5, 6), (5, 6)]
+    assert _held_runs([0, 0]) == []
+
+
+@pytest.mark.parametrize("op, call", [
+    ("STORE", lambda req, t: req.store(list(range(PER_CHUNK)), timeout=t)),
+    ("WAIT_PREFETCH_STATUS", lambda req, t: req.lookup(timeout=t)),
+    ("RETRIEVE", lambda req, t: req.retrieve(list(range(PER_CHUNK)), end=CHUNK, timeout=t)),
+])
+def test_request_calls_honour_their_timeout(fake: FakeServer, kv: CpuKVCache, op: str,
+                                            call: Callable[[Any, float], Any]) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=30) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        req = reg.request(tokens(1))
+        fake.drop.add(op)
+        start = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            call(req, 0.3)
+        assert time.monotonic() - start < 2.0
+        fake.drop.clear()
+        req.close(timeout=2)
+
+
+def test_request_close_honours_its_timeout(fake: FakeServer, kv: CpuKVCache) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=30) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        with reg.request(tokens(1)) as w:
+            w.store(list(range(PER_CHUNK)))
+        req = reg.request(tokens(1))
+        assert req.lookup() == CHUNK
+        fake.drop.update({"FREE_LOOKUP_LOCKS", "END_SESSION"})
+        # Errors are logged, not raised: the server's TTL frees what was not freed.
+        assert elapsed(lambda: req.close(timeout=0.3)) < 2.0
+        assert req.held_locks == 0
+        fake.drop.clear()
+
+
+@pytest.mark.parametrize("family, payload", [("0.5.3", []), ("0.5.6", [False])])
+def test_clear_sends_force_only_where_the_server_takes_it(family: str,
+                                                          payload: list[Any]) -> None:
+    fake = FakeServer(profile=family, engine_driven=False)
+    try:
+        with Client(fake.url, protocol=family, timeout=2) as c:
+            c.clear(force=False)
+            assert fake.requests("CLEAR")[0].payloads == payload
+    finally:
+        fake.close()

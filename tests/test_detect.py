@@ -60,7 +60,8 @@ def test_each_release_is_detected_from_its_recorded_answers(
     replay = Replay(case["replies"])
     found = detect(replay, URL, timeout=0.5, grace=0.1)
     assert found.profile == FAMILY[release]
-    assert release in found.releases
+    assert found.releases == {"0.5.3": "0.5.3/0.5.4", "0.5.5": "0.5.5",
+                              "0.5.6": "0.5.6"}[FAMILY[release]]
     asked = [q for q, _ in replay.sent]
     assert asked[:4] == ["unregister_unknown", "get_chunk_size_or_noop", "get_experimental",
                          "unregister_unknown"]
@@ -69,7 +70,15 @@ def test_each_release_is_detected_from_its_recorded_answers(
     second_round = FAMILY[release] == "0.5.5" or case["server"] == "default" and \
         FAMILY[release] == "0.5.6"
     assert ("query_lookup_hits" in asked) == second_round
-    assert any(e.startswith("id 21 -> 256") for e in found.evidence)
+    # A prompt answer to id 11 needs no grace exchange; only a missing one waits.
+    waited = second_round and case["replies"]["query_lookup_hits"] is None
+    assert replay.calls == 1 + second_round + waited
+    v32 = case["replies"]["get_experimental"]
+    evidence = ["id 2 -> <ack>", "id 21 -> 256",
+                f"id 32 -> {msgspec.msgpack.decode(bytes.fromhex(v32[1])) if v32 else None!r}"]
+    if second_round:
+        evidence.append("id 11 -> 0" if FAMILY[release] == "0.5.5" else "id 11 -> None")
+    assert list(found.evidence) == evidence
 
 
 def test_a_0_5_5_pool_answering_after_the_ping_fence_is_still_0_5_5() -> None:
@@ -77,6 +86,37 @@ def test_a_0_5_5_pool_answering_after_the_ping_fence_is_still_0_5_5() -> None:
     replay = Replay(case["replies"], late=frozenset({"query_lookup_hits"}))
     assert detect(replay, URL, timeout=0.5, grace=0.1).profile == "0.5.5"
     assert len(replay.sent) == 6  # the grace exchange sends nothing new
+
+
+def test_grace_zero_sends_no_grace_exchange() -> None:
+    (case,) = [c for c in load("0.5.6", "probe") if c["server"] == "default"]
+    replay = Replay(case["replies"])
+    assert detect(replay, URL, timeout=0.5, grace=0.0).profile == "0.5.6"
+    assert replay.calls == 2
+
+
+@pytest.mark.parametrize("lost", ["unregister_unknown_first", "fence"])
+def test_one_lost_liveness_reply_is_not_a_dead_server(lost: str) -> None:
+    """Either UNREGISTER answered proves the message thread alive."""
+    (case,) = load("0.5.3", "probe")
+
+    class OneLost(Replay):
+        def __call__(self, batch: Any, until: str, timeout: float) -> Any:
+            out = super().__call__(batch, until, timeout)
+            out["alive" if lost == "unregister_unknown_first" else "fence"] = None
+            return out
+
+    assert detect(OneLost(case["replies"]), URL, timeout=0.5).profile == "0.5.3"
+
+
+def test_probe_instance_ids_never_repeat() -> None:
+    """The UNREGISTER probes name random instances >= 2**48 that no worker uses."""
+    ids = set()
+    for _ in range(60):
+        replay = Replay(load("0.5.3", "probe")[0]["replies"])
+        detect(replay, URL, timeout=0.5)
+        ids.update(frames[1] for q, frames in replay.sent if q == "unregister_unknown")
+    assert len(ids) == 120 and min(ids) >= 2**48 and max(ids) < 2**63
 
 
 def test_0_5_0_is_refused_with_the_upgrade_advice() -> None:
@@ -99,6 +139,7 @@ def test_a_server_that_answers_nothing_is_a_timeout_not_a_mismatch() -> None:
     ({"get_experimental": hexed(32, 7)}, "unexpected reply to id 32"),
     ({"query_lookup_hits": hexed(11, "zero")}, "unexpected reply to id 11"),
     ({"get_chunk_size_or_noop": hexed(21, True)}, "did not answer GET_CHUNK_SIZE"),
+    ({"get_experimental": ["20", "c1"]}, "id 32 from .*'<undecodable>'"),
 ])
 def test_answers_no_release_gives_are_refused(change: dict[str, Any], error: str) -> None:
     (case,) = load("0.5.5", "probe")

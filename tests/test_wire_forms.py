@@ -56,6 +56,14 @@ def test_the_torch_ipc_wrapper_carries_the_offset_into_the_allocation(offset: in
     at = seq.index(HANDLE)
     assert seq[at - 1] == 3
     assert seq[at + 1:at + 3] == [2 * 8 * 16 * 64 * 2, offset]
+    # A ref-counter file that cannot exist (torch only opens it, best effort, on free),
+    # at offset 0; no producer event (ordering is per transfer), so no sync needed.
+    refcounter, counter_offset, event = seq[at + 3:at + 6]
+    assert isinstance(refcounter, bytes) and refcounter.startswith(b"/lmcache_mp_no_")
+    assert (counter_offset, event) == (0, bytes(64))
+    seq_ops = [(n, a) for n, a in ops(blob.data) if n != "MEMOIZE"]
+    (event_at,) = [i for i, (_, a) in enumerate(seq_ops) if a == bytes(64)]
+    assert seq_ops[event_at + 1][0] == "NEWFALSE"  # event_sync_required
 
 
 @pytest.mark.parametrize("offset", [0, 4096, 2**40])
