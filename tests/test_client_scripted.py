@@ -758,3 +758,124 @@ def test_clear_sends_force_only_where_the_server_takes_it(family: str,
             assert fake.requests("CLEAR")[0].payloads == payload
     finally:
         fake.close()
+
+
+# ------------------------------------------------ more paths mutation found open
+def test_auto_mode_engine_registration_transfers_without_registering_again(
+        fake: FakeServer, kv: CpuKVCache) -> None:
+    fake.slot_geometry = slot(kv, 0)
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m")
+        assert reg.mode == "engine"
+        assert reg.pool_info is not None and reg.pool_info.shm_name == fake.pool.name  # type: ignore[union-attr]
+        for seed in range(2):
+            assert reg.store(key(reg, tokens(1, seed)), list(range(PER_CHUNK))) is True
+        assert len(fake.requests("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT")) == 1
+        reg.unregister()
+
+
+def test_explicit_engine_mode_keeps_the_pool_info_and_takes_a_small_pool(
+        fake: FakeServer, kv: CpuKVCache) -> None:
+    assert fake.pool is not None
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m", mode="engine")
+        assert reg.pool_info is not None and reg.pool_info.shm_name == fake.pool.name
+        reg.unregister(unlink=False)
+        fake.hooks["REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT"] = lambda p: {
+            "shm_name": fake.pool.name, "pool_size": 1}  # type: ignore[union-attr]
+        reg = c.register(kv, model_name="m", mode="engine")
+        assert reg.pool_info is not None and reg.pool_info.pool_size == 1
+        reg.unregister()
+
+
+def test_auto_register_fails_cleanly_when_the_fence_is_not_answered(
+        fake: FakeServer, kv: CpuKVCache) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=30) as c:
+        c.chunk_size()
+        fake.drop.add("NOOP")
+        with pytest.raises(RequestTimeout):
+            assert elapsed(lambda: c.register(kv, model_name="m", timeout=0.3)) < 2.0
+        assert c.registrations == []
+
+
+def test_recovery_stays_within_the_transfers_deadline(fake: FakeServer, kv: CpuKVCache) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=30) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        epoch = c._conn.transport.epoch
+        fake.restart()
+        fake.drop.add("GET_CHUNK_SIZE")  # the restarted server is slow to answer
+        deadline = time.monotonic() + 3
+        while c._conn.transport.refresh() == epoch and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = time.monotonic()
+        with pytest.raises(RequestTimeout):
+            reg.store(key(reg, tokens(1)), list(range(PER_CHUNK)), timeout=0.3)
+        assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.parametrize("mode", ["lmcache", "engine"])
+def test_a_transfer_checked_on_a_connection_that_then_changed_is_sent_again_registered(
+        fake: FakeServer, kv: CpuKVCache, mode: str) -> None:
+    """The race the epochs close: the binding was checked, then the socket reconnected
+    to a restarted server before the request went out. The request must fail unsent and
+    be sent again after registering anew, not reach the new server unregistered."""
+    fake.slot_geometry = slot(kv, 0)
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=3) as c:
+        reg = c.register(kv, model_name="m", mode=mode)  # type: ignore[arg-type]
+        stale = reg._binding
+        checked = reg._bound
+
+        def bound_once_stale(deadline: float) -> Any:
+            reg.__dict__.pop("_bound")  # later checks are the real ones
+            return stale
+
+        epoch = c._conn.transport.epoch
+        fake.restart()
+        deadline = time.monotonic() + 3
+        while c._conn.transport.refresh() == epoch and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reg._bound = bound_once_stale  # type: ignore[method-assign]
+        assert reg.store(key(reg, tokens(1)), list(range(PER_CHUNK))) is True
+        assert checked is not None and reg.recoveries == 1
+        ops = fake.ops()
+        first = "STORE" if mode == "lmcache" else "PREPARE_STORE"
+        assert ops.count(first) == 1  # nothing reached the new server unregistered
+        assert ops.index(first) > len(ops) - 1 - ops[::-1].index(
+            "REGISTER_KV_CACHE" if mode == "lmcache" else "REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT")
+        reg.unregister()
+
+
+def test_defaults_of_the_data_plane_calls(fake: FakeServer, kv: CpuKVCache) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=2) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        toks = tokens(2)
+        reg.retrieve(key(reg, toks), list(range(2 * PER_CHUNK)))
+        assert fake.requests("RETRIEVE")[-1].payloads[4] == 0  # skip nothing
+        reg.lookup(key(reg, toks))
+        assert fake.requests("LOOKUP")[-1].payloads[1] == 1  # one reader
+        with reg.request(toks) as req:
+            req.store(list(range(PER_CHUNK)), end=CHUNK)
+            assert (fake.requests("STORE")[-1].payloads[0]["start"],
+                    fake.requests("STORE")[-1].payloads[0]["end"]) == (0, CHUNK)
+            req.store(list(range(PER_CHUNK)), start=CHUNK)
+            assert (fake.requests("STORE")[-1].payloads[0]["start"],
+                    fake.requests("STORE")[-1].payloads[0]["end"]) == (CHUNK, 2 * CHUNK)
+            assert req.lookup() == 2 * CHUNK
+            (lookup,) = fake.requests("LOOKUP")[-1:]
+            assert lookup.payloads[0]["start"] == 0  # a lookup covers the prompt from 0
+            req.retrieve(list(range(PER_CHUNK)), end=CHUNK)
+            assert fake.requests("RETRIEVE")[-1].payloads[4] == 0
+            req.retrieve(list(range(PER_CHUNK)), start=CHUNK, skip_first_n_tokens=32)
+            assert fake.requests("RETRIEVE")[-1].payloads[4] == 32
+        reg.unregister()
+        assert kv.unlinked  # unregister unlinks by default
+
+
+def test_request_close_bounds_its_end_session_too(fake: FakeServer, kv: CpuKVCache) -> None:
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=30) as c:
+        reg = c.register(kv, model_name="m", mode="lmcache")
+        req = reg.request(tokens(1))
+        req.store(list(range(PER_CHUNK)))
+        fake.drop.add("END_SESSION")
+        assert elapsed(lambda: req.close(timeout=0.3)) < 2.0
+        fake.drop.clear()

@@ -62,6 +62,7 @@ def test_a_raw_descriptor_defaults_to_the_allocation_base() -> None:
 
 
 def test_key_edges() -> None:
+    assert key().cache_salt == ""  # no salt unless given
     assert key(world_size=255, worker_id=254).worker_id == 254
     with pytest.raises(InvalidArgument, match="world_size"):
         key(world_size=256)

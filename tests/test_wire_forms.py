@@ -63,6 +63,7 @@ def test_the_torch_ipc_wrapper_carries_the_offset_into_the_allocation(offset: in
     assert (counter_offset, event) == (0, bytes(64))
     seq_ops = [(n, a) for n, a in ops(blob.data) if n != "MEMOIZE"]
     (event_at,) = [i for i, (_, a) in enumerate(seq_ops) if a == bytes(64)]
+    assert seq[seq.index("storage_offset") + 1] == 0  # the tensor starts its storage
     assert seq_ops[event_at + 1][0] == "NEWFALSE"  # event_sync_required
 
 
