@@ -110,3 +110,28 @@ def test_every_primitive_is_encoded_as_cpython_encodes_it(offset: int) -> None:
             assert name == cpython_opcode(arg), (name, arg)
             checked += 1
     assert checked >= 20 and offset in values(data)
+
+
+@pytest.mark.parametrize("stride0", [-1, -128, -129, -256, -(2**15), -(2**31), -(2**31) - 1,
+                                     -(2**39), -(2**55), -(2**63)])
+def test_negative_strides_are_encoded_as_cpython_encodes_them(stride0: int) -> None:
+    # Negative strides are legal torch metadata; below -2**31 pickle uses LONG1 with a
+    # minimal two's-complement body.
+    data = emit_cuda_ipc_wrapper(
+        handle=(0, b"\x03c" + HANDLE, 4096, 0, b"/torch_1_2", 0, bytes(64), False),
+        dtype="float16", shape=(2, 1024), stride=(stride0, 1), device_uuid=UUID)
+    assert stride0 in values(data)
+    for name, arg in ops(data):
+        if name in PRIMITIVE_OPS:
+            assert name == cpython_opcode(arg), (name, arg)
+    i = [n for n, a in ops(data) if a == stride0]
+    assert i == [cpython_opcode(stride0)]
+
+
+def test_the_torch_ipc_device_index_is_a_c_int() -> None:
+    handle = (2**31 - 1, b"\x03c" + HANDLE, 4096, 0, b"/torch_1_2", 0, bytes(64), False)
+    emit_cuda_ipc_wrapper(handle=handle, dtype="float16", shape=(2,), stride=(1,),
+                          device_uuid=UUID)
+    with pytest.raises(InvalidArgument, match=r"handle\[0\]"):
+        emit_cuda_ipc_wrapper(handle=(2**31, *handle[1:]), dtype="float16", shape=(2,),
+                              stride=(1,), device_uuid=UUID)
