@@ -52,7 +52,7 @@ $(VENV)/.mutate-installed: $(VENV)/.installed
 	touch $@
 
 mutate: $(VENV)/.mutate-installed
-	LMCACHE_MP_SKIP_LIVE=1 $(VENV)/bin/mutmut run $(if $(MODULE),"$(MODULE).*") || true
+	LMCACHE_MP_SKIP_LIVE=1 $(VENV)/bin/mutmut run $(if $(MODULE),"$(MODULE).*")
 	$(VENV)/bin/python tools/mutation_report.py
 
 mutate-report:

@@ -748,13 +748,14 @@ def test_request_close_honours_its_timeout(fake: FakeServer, kv: CpuKVCache) -> 
         fake.drop.clear()
 
 
-@pytest.mark.parametrize("family, payload", [("0.5.3", []), ("0.5.6", [False])])
-def test_clear_sends_force_only_where_the_server_takes_it(family: str,
+@pytest.mark.parametrize("family, force, payload", [
+    ("0.5.3", False, []), ("0.5.3", True, []), ("0.5.6", False, [False]), ("0.5.6", True, [True])])
+def test_clear_sends_force_only_where_the_server_takes_it(family: str, force: bool,
                                                           payload: list[Any]) -> None:
     fake = FakeServer(profile=family, engine_driven=False)
     try:
         with Client(fake.url, protocol=family, timeout=2) as c:
-            c.clear(force=False)
+            c.clear(force=force)
             assert fake.requests("CLEAR")[0].payloads == payload
     finally:
         fake.close()
