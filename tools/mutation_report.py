@@ -182,10 +182,11 @@ def _row(module: str, c: Counter[str], head: str) -> dict[str, object]:
     detected = c["killed"] + c["timeout"]
     judged = detected + c["review"] + c["message"]
     other = sum(c.values()) - judged - c["import-time"] - c["no tests"]
-    score = 100.0 * detected / judged if judged else 0.0
+    score = 100.0 * detected / judged if judged else None
+    shown = "    -" if score is None else f"{score:5.1f}%"
     print(f"{module:31} {sum(c.values()):7} {c['killed']:6} {c['timeout']:5} {c['review']:6} "
-          f"{c['message']:7} {c['import-time']:6} {c['no tests']:7} {other:5} {score:5.1f}%")
-    return {"module": module, **c, "score": round(score, 1)}
+          f"{c['message']:7} {c['import-time']:6} {c['no tests']:7} {other:5} {shown}")
+    return {"module": module, **c, "score": None if score is None else round(score, 1)}
 
 
 if __name__ == "__main__":
