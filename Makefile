@@ -52,8 +52,9 @@ $(VENV)/.mutate-installed: $(VENV)/.installed
 	touch $@
 
 mutate: $(VENV)/.mutate-installed
-	LMCACHE_MP_SKIP_LIVE=1 $(VENV)/bin/mutmut run $(if $(MODULE),"$(MODULE).*")
-	$(VENV)/bin/python tools/mutation_report.py
+	touch $(VENV)/.mutate-started
+	LMCACHE_MP_SKIP_LIVE=1 $(VENV)/bin/mutmut run $(if $(MODULE),"$(MODULE).*"); rc=$$?; \
+	$(VENV)/bin/python tools/mutation_report.py --reap-shm $(VENV)/.mutate-started; exit $$rc
 
 mutate-report:
 	$(VENV)/bin/python tools/mutation_report.py --survivors

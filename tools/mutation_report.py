@@ -150,7 +150,12 @@ def main() -> None:
     ap.add_argument("--dir", default="mutants")
     ap.add_argument("--survivors", action="store_true", help="list each surviving mutant")
     ap.add_argument("--json", help="also write the table as JSON")
+    ap.add_argument("--reap-shm", metavar="STAMP",
+                    help="first remove the SHM segments of mutant workers that mutmut killed "
+                         "(lmcache_mp_<pid>_* newer than STAMP whose process is gone)")
     args = ap.parse_args()
+    if args.reap_shm:
+        reap_shm(Path(args.reap_shm))
     root = Path(args.dir)
     by_module = collect(root)
     for module, entries in by_module.items():
@@ -175,6 +180,24 @@ def main() -> None:
                     print(f"survived ({status}): {name}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def reap_shm(stamp: Path, shm: Path = Path("/dev/shm")) -> None:
+    """A worker killed on timeout never runs its finalizers, so the segments of its
+    caches and scripted servers stay behind. Only names whose creating process (the pid
+    in the name) has exited are removed: unlinking never disturbs a live mapping."""
+    since = stamp.stat().st_mtime
+    removed = 0
+    for entry in shm.glob("lmcache_mp_*"):
+        pid = entry.name.split("_")[2]
+        try:
+            if not pid.isdigit() or Path(f"/proc/{pid}").exists() or entry.stat().st_mtime < since:
+                continue
+            entry.unlink()
+            removed += 1
+        except FileNotFoundError:
+            continue
+    print(f"removed {removed} shared-memory segment(s) left by killed mutant workers")
 
 
 def _row(module: str, c: Counter[str], head: str) -> dict[str, object]:
