@@ -1,10 +1,11 @@
 # make demo   - set everything up, start a real LMCache server, run the demo, stop it
 # make test   - set everything up, lint, type-check, run the whole suite against every
 #               supported LMCache release (starts and stops the servers itself)
+# make mutate - mutation testing against the offline suite (mutmut; slow, not part of CI)
 PY ?= python3
 VENV := .venv
 
-.PHONY: setup oracle demo test lint unit fixtures bench readme clean
+.PHONY: setup oracle demo test lint unit fixtures bench readme clean mutate mutate-report
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,6 +41,24 @@ test: setup oracle lint
 	  LMCACHE_MP_SERVER_VERSION=$$v $(VENV)/bin/python -m pytest -q -ra -m live || exit 1; \
 	done
 
+# Mutation testing (mutmut 3) of the protocol core, registration flows, key building,
+# hashing, the copy module and the pickle emitter against the offline suite only; not
+# part of CI. Unattended; results stay in mutants/ (a second run resumes/re-checks).
+#   make mutate                               every module in [tool.mutmut] only_mutate
+#   make mutate MODULE=lmcache_mp.hashing     one module (a few minutes each)
+MODULE ?=
+$(VENV)/.mutate-installed: $(VENV)/.installed
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,mutate]'
+	touch $@
+
+mutate: $(VENV)/.mutate-installed
+	touch $(VENV)/.mutate-started
+	LMCACHE_MP_SKIP_LIVE=1 $(VENV)/bin/mutmut run $(if $(MODULE),"$(MODULE).*"); rc=$$?; \
+	$(VENV)/bin/python tools/mutation_report.py --reap-shm $(VENV)/.mutate-started; exit $$rc
+
+mutate-report:
+	$(VENV)/bin/python tools/mutation_report.py --survivors
+
 readme: setup
 	$(VENV)/bin/python tools/update_readme.py
 
@@ -52,4 +71,4 @@ bench: setup oracle
 	scripts/lmcache-server.sh python -- benchmarks/data_plane.py
 
 clean:
-	rm -rf $(VENV) .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants

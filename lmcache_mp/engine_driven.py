@@ -135,14 +135,16 @@ def copy_into_slots(
     g = cache.geometry
     per_chunk = chunk_size // g.block_size
     num_chunks = len(ids) // per_chunk
-    last = -1
+    seen: set[int] = set()
     for ci in chunk_indices:
-        # The server lists the chunks it reserved in key order, each once.
-        if not last < ci < num_chunks:
+        # Each named chunk of the key once (the order is the server's to choose).
+        if not 0 <= ci < num_chunks or ci in seen:
             raise ProtocolMismatch(f"PREPARE_STORE named chunks {list(chunk_indices)} of a "
-                                   f"{num_chunks}-chunk key (expected increasing indices "
+                                   f"{num_chunks}-chunk key (expected distinct indices "
                                    f"in [0, {num_chunks}))")
-        last = ci
+        seen.add(ci)
+    # Every slot is checked before the first copy: a context that is wrong anywhere
+    # writes nothing.
     targets = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     for target, ci in zip(targets, chunk_indices, strict=True):
         gather_chunk(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], target, g)

@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -405,8 +406,11 @@ def side_label(name: str) -> str:
 class SideRun:
     """One side's state, shared with the thread that runs it."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, publish: Callable[[], None] = lambda: None) -> None:
         self.name = name
+        # Rewrites the results document: called when the side reaches a step where a real
+        # run may hang (register), so a run killed there says where it was.
+        self.publish = publish
         self.side: Side | None = None
         self.res: dict[str, Any] = {
             "side": side_label(name), "ok": False, "step": "starting", "register_ms": None,
@@ -439,6 +443,7 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
             bits.copy_(torch.randint(-32768, 32768, bits.shape, dtype=torch.int16, device=dev))
         synchronize(args)
         res["step"] = "register"
+        run.publish()
         if fault == "fail":
             raise RuntimeError("GPU_CHECK_FAULT: injected failure")
         if fault == "hang":
@@ -655,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_check: {name}: skipped: {blocker}", flush=True)
             report.write()
             continue
-        run = SideRun(name)
+        run = SideRun(name, publish=report.write)
         runs.append(run)
         report.running = name
         report.results.append(run.res)

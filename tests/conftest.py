@@ -70,6 +70,23 @@ def _oracle_dir() -> Path:
     return Path(os.environ.get("LMCACHE_MP_ORACLE_DIR", REPO / ".oracle"))
 
 
+def oracle_python(version: str = SERVER_VERSION) -> Path:
+    """The python of the oracle venv of ``version``, for tests that run LMCache itself.
+
+    Where the oracle is expected (``CI=1``, or an oracle directory exists, as after
+    ``make oracle``) a missing venv FAILS the test: an oracle test that skips there
+    would pass CI while checking nothing. Elsewhere it skips, saying how to install.
+    """
+    python = _oracle_dir() / f"venv-{version}" / "bin" / "python"
+    if python.exists():
+        return python
+    why = (f"the LMCache {version} oracle venv is missing ({python}); install it with "
+           f"scripts/lmcache-server.sh install --version {version}")
+    if os.environ.get("CI") == "1" or _oracle_dir().exists():
+        pytest.fail(why)
+    pytest.skip(why)
+
+
 def start_server(*extra: str) -> LiveServer:
     if os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1":
         pytest.skip("LMCACHE_MP_SKIP_LIVE=1: live tests against a real LMCache server skipped")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 import zmq
 
 from lmcache_mp.hashing import chunk_hashes
@@ -34,6 +35,19 @@ def _ext_hook(code: int, data: memoryview) -> Any:
 
 
 _dec = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
+
+
+def server_read_locks(family: str, key: dict[str, Any], tp_size: int) -> int | None:
+    """Read locks a server of ``family`` takes per looked-up object (None: it drops the
+    request). Written from LMCache's source, not from lmcache_mp: 0.5.3/0.5.4
+    ``modules/lookup.py:compute_extra_count`` (MLA is recognised by tp > world size);
+    0.5.5+ ``IPCCacheServerKey.require_num_kv_readers`` (the key's count, at least 1)."""
+    if family == "0.5.3":
+        world = key["world_size"]
+        tp = tp_size if tp_size > 1 else world
+        return 1 + (tp - 1 if tp > world else 0)
+    readers = key.get("num_kv_readers", 0)
+    return readers if readers >= 1 else None
 
 
 @dataclass
@@ -68,6 +82,10 @@ class FakeServer:
         self.silent = threading.Event()  # set: decode and record, never reply
         self.drop: set[str] = set()  # ops never answered
         self.hooks: dict[str, Callable[[list[Any]], Any]] = {}  # op -> reply value
+        self.pending_store: tuple[int, list[tuple[str, bytes]]] = (0, [])
+        # op -> the type id its reply carries (a server of another protocol would echo
+        # another request type); unset: the request's own.
+        self.reply_type: dict[str, int] = {}
         self.pool = ShmSegment.create(pool_bytes, tag="fakepool") if engine_driven else None
         self._lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -149,6 +167,8 @@ class FakeServer:
             value = handler(*payloads)
         if value is _NO_REPLY:
             return None
+        if op.name in self.reply_type:
+            type_frame = _enc(self.reply_type[op.name])
         if value is None:
             return [uid, type_frame]
         return [uid, type_frame, _enc(value)]
@@ -207,15 +227,19 @@ class FakeServer:
                 self.state.locks[h] -= 1
         return [b"stub_ipc_handle", ok]
 
-    def _op_lookup(self, key: dict[str, Any], tp_size: int) -> None:
+    def _op_lookup(self, key: dict[str, Any], tp_size: int) -> Any:
+        readers = server_read_locks(self.profile.name, key, tp_size)
+        if readers is None:
+            return _NO_REPLY  # 0.5.5+: a key without num_kv_readers is dropped
         hits = 0
         for h in self._hashes(key, whole=True):
             if h not in self.state.stored:
                 break
-            self.state.locks[h] = self.state.locks.get(h, 0) + 1
+            self.state.locks[h] = self.state.locks.get(h, 0) + readers
             hits += 1
         self.state.jobs[key["request_id"]] = hits
         self.state.sessions.add(key["request_id"])
+        return None
 
     def _op_wait_prefetch_status(self, request_id: str, timeout: float) -> int | None:
         return self.state.jobs.pop(request_id, 0)
@@ -223,10 +247,17 @@ class FakeServer:
     def _op_query_prefetch_status(self, request_id: str) -> int | None:
         return self.state.jobs.pop(request_id, 0)
 
-    def _op_free_lookup_locks(self, key: dict[str, Any], tp_size: int) -> None:
+    def _op_query_prefetch_lookup_hits(self, request_id: str) -> int:
+        return self.state.jobs.get(request_id, 0)  # 0.5.3-0.5.5; does not consume
+
+    def _op_free_lookup_locks(self, key: dict[str, Any], tp_size: int) -> Any:
+        readers = server_read_locks(self.profile.name, key, tp_size)
+        if readers is None:
+            return _NO_REPLY
         for h in self._hashes(key):
             if self.state.locks.get(h):
-                self.state.locks[h] -= 1
+                self.state.locks[h] = max(0, self.state.locks[h] - readers)
+        return None
 
     def _op_end_session(self, request_id: str) -> None:
         self.state.sessions.discard(request_id)
@@ -267,7 +298,9 @@ class FakeServer:
     def _op_commit_retrieve(self, key: dict[str, Any], instance_id: int) -> Any:
         if instance_id not in self.state.registered:
             return _NO_REPLY
-        self._op_free_lookup_locks(key, 1)
+        for h in self._hashes(key):  # one reader's locks
+            if self.state.locks.get(h):
+                self.state.locks[h] -= 1
         return True
 
     #: The chunk-object geometry the engine-driven slots describe; tests set it to
@@ -276,6 +309,11 @@ class FakeServer:
 
     def slot_for(self, index: int) -> dict[str, Any]:
         return self._slot(index, self.slot_geometry)
+
+    def pool_bytes(self) -> np.ndarray:
+        """The pool as bytes (what the client copied into its slots)."""
+        assert self.pool is not None
+        return np.frombuffer(self.pool.buffer, dtype=np.uint8)
 
 
 _NO_REPLY = object()

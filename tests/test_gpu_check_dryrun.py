@@ -207,9 +207,17 @@ def test_failed_server_and_hung_side_do_not_stop_the_plan(launch: Any) -> None:
     assert run.text in run.stdout  # printed at the end too, for the device's output tail
 
 
+def _hung_in_register(run: Run, side: str) -> bool:
+    """The side runs and has published that it reached 'register' (where the fault hangs):
+    waiting for "running" alone raced the side's first step (CI stop 16)."""
+    res = run.results("0.5.3")
+    return bool(res["running"] == side and res["results"]
+                and res["results"][-1].get("step") == "register")
+
+
 def test_sigterm_mid_step_writes_the_summary_and_stops_everything(launch: Any) -> None:
     run = launch(releases=("0.5.3",), GPU_CHECK_FAULT="hang:raw", GPU_CHECK_SIDE_TIMEOUT="120")
-    _wait_for(lambda: run.results("0.5.3")["running"] == "raw", 60, "the hung side")
+    _wait_for(lambda: _hung_in_register(run, "raw"), 60, "the hung side")
     servers = run.server_pids()
     assert servers
     os.kill(run.proc.pid, signal.SIGTERM)  # the script only, as a polite killer would
@@ -233,7 +241,7 @@ def test_sigkill_leaves_the_last_written_summary(launch: Any) -> None:
     """SIGKILL (the device tool at its limit) runs no trap: what was written after the
     last finished step must already be a complete summary."""
     run = launch(releases=("0.5.3",), GPU_CHECK_FAULT="hang:lmcache", GPU_CHECK_SIDE_TIMEOUT="120")
-    _wait_for(lambda: run.results("0.5.3")["running"] == "lmcache", 60, "the hung side")
+    _wait_for(lambda: _hung_in_register(run, "lmcache"), 60, "the hung side")
     os.killpg(run.proc.pid, signal.SIGKILL)  # the whole group: script, server, round trip
     run.wait(timeout=30)
     summary = run.summary
@@ -243,10 +251,15 @@ def test_sigkill_leaves_the_last_written_summary(launch: Any) -> None:
     assert "round trip 0.5.3" in run.text and "running when this was written" in run.text
     res = run.results("0.5.3")
     assert [r["ok"] for r in res["results"]] == [True, True, False]  # written per side
-    # The killed server left its L1 segment: the fixture removes it (the device is
-    # given back anyway); the script cannot, having been SIGKILLed.
+    # The killed server left its L1 segment, the killed round trip the hung side's KV
+    # segments (allocated before 'register'): removed here (the device is given back
+    # anyway); the script cannot, having been SIGKILLed.
     for pid in run.server_pids():
         Path(f"/dev/shm/lmcache_l1_pool_{pid}").unlink(missing_ok=True)
+    round_trip = int(res["env"]["pid"])
+    for name in os.listdir("/dev/shm"):
+        if name.startswith((f"lmcache_kv_{round_trip}_", f"lmcache_mp_{round_trip}_")):
+            os.unlink(f"/dev/shm/{name}")
 
 
 def test_a_budget_too_small_still_writes_a_table(launch: Any) -> None:

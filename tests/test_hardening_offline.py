@@ -451,8 +451,8 @@ def _corrupt_store(fake: FakeServer, how: str) -> None:
             ctx["chunk_indices"] = [i + 5 for i in ctx["chunk_indices"]]
         elif how == "more slots than indices":
             ctx["chunk_indices"] = ctx["chunk_indices"][:-1]
-        elif how == "decreasing indices":
-            ctx["chunk_indices"] = ctx["chunk_indices"][::-1]
+        elif how == "a repeated index":
+            ctx["chunk_indices"] = [ctx["chunk_indices"][0]] * len(ctx["chunk_indices"])
         elif how == "slot outside the pool":
             ctx["slots"][-1] = {**ctx["slots"][-1], "offset": 1 << 40}
         elif how == "undecodable":
@@ -463,7 +463,7 @@ def _corrupt_store(fake: FakeServer, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["index out of range", "more slots than indices",
-                                 "decreasing indices", "slot outside the pool", "undecodable"])
+                                 "a repeated index", "slot outside the pool", "undecodable"])
 def test_a_malformed_prepare_store_still_releases_the_reservation(
         fake: FakeServer, kv: CpuKVCache, how: str) -> None:
     fake.slot_geometry = slot_geometry(kv)

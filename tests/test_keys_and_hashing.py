@@ -118,5 +118,36 @@ def test_wire_key_has_exactly_the_eight_0_5_3_fields_in_order() -> None:
         "model_name", "world_size", "worker_id", "token_ids", "start", "end", "request_id",
         "cache_salt",
     )
-    wire = profile.build_key(make(), None, 1)
-    assert wire.worker_id is None  # type: ignore[attr-defined]
+    # Every field set to a non-default value, so a builder that drops or defaults one
+    # (the salt to "", the worker id to None) shows.
+    key = make(world_size=4, worker_id=3, token_ids=list(range(7, 519)), start=256, end=512,
+               request_id="rid-9", cache_salt="tenant-3", model_name="model-x")
+    lookup, tp = profile.all_ranks_payloads(key, 2)
+    transfer = profile.transfer_key(key, 1)
+    expected = ["model-x", 4, None, tuple(range(7, 519)), 256, 512, "rid-9", "tenant-3"]
+    assert [getattr(lookup, f) for f in profile.key_type.__struct_fields__] == expected
+    assert tp == 2  # LOOKUP's second payload on 0.5.3: readers are the server's to derive
+    expected[2] = 1  # a transfer names the rank it moves, not the key's
+    assert [getattr(transfer, f) for f in profile.key_type.__struct_fields__] == expected
+
+
+def test_chunk_hashes_refuse_what_the_server_cannot_hash() -> None:
+    for bad in (0, -256):
+        with pytest.raises(ValueError, match="positive"):
+            chunk_hashes([1, 2], bad)
+    assert len(chunk_hashes([5, 6, 7], 1)) == 3  # a chunk of one token is a chunk
+    for tokens in ([-1], [2**32], [3, 2**33 - 1]):
+        with pytest.raises(ValueError, match="uint32"):
+            chunk_hashes(tokens, 1)
+    assert len(chunk_hashes([0, 2**32 - 1], 1)) == 2
+
+
+def test_object_keys_defaults_and_integer_chunk_indices() -> None:
+    (case,) = [c for c in HASHES if c["name"] == "one_chunk" and c["chunk_size"] == 256]
+    (k,) = object_keys(case["token_ids"], model_name="m")
+    # One world, rank 0, no salt, as the server derives for a plain key.
+    assert (k.rank, k.kv_rank, k.cache_salt, k.chunk_index) == (0, case["kv_ranks"]["1/None"][0],
+                                                               "", 0)
+    keys = object_keys(list(range(1024)), model_name="m", start=512, end=1024)
+    assert [k.chunk_index for k in keys] == [2, 3]
+    assert all(type(k.chunk_index) is int for k in keys)

@@ -433,6 +433,103 @@ def event_cases() -> list[dict[str, Any]]:
     return cases
 
 
+# ------------------------------------------------------------- key building
+# Deployments whose keys the release's own vLLM adapter code describes: (MLA?, TP, PP).
+# MLA replicates KV over TP, so the KV world size shrinks and readers grow; the last two
+# MLA rows (TP <= PP) are where 0.5.5's reader count and 0.5.3's rule part ways.
+DEPLOYMENTS = [(False, 1, 1), (False, 2, 1), (False, 4, 1), (False, 2, 2), (False, 1, 4),
+               (True, 2, 1), (True, 4, 1), (True, 8, 1), (True, 4, 2), (True, 8, 2),
+               (True, 2, 4), (True, 4, 4)]
+SALTS = ["", "tenant-42", "s" * 128, "user_7.salt-v2"]
+
+
+def server_read_locks(lookup_key: IPCCacheServerKey, tp_payload: int) -> int:
+    """Read locks the release's server takes per looked-up object (its own code)."""
+    if FAMILY == "0.5.3":
+        from lmcache.v1.multiprocess.modules.lookup import compute_extra_count
+
+        return 1 + compute_extra_count(tp_payload, lookup_key.world_size)
+    return lookup_key.require_num_kv_readers()
+
+
+def adapter_key(strategy: Any, tokens: list[int], *, worker_id: int | None, start: int,
+                end: int, request_id: str, salt: str, model: str) -> IPCCacheServerKey:
+    """What the release's vLLM adapter's ``_create_key`` builds (lookups then drop the
+    worker id with ``no_worker_id_version``)."""
+    extra: dict[str, Any] = {}
+    if FAMILY != "0.5.3":
+        extra["num_kv_readers"] = strategy.num_kv_readers
+    return IPCCacheServerKey(model_name=model, world_size=strategy.kv_world_size,
+                             worker_id=worker_id, token_ids=tuple(tokens), start=start,
+                             end=end, request_id=request_id, cache_salt=salt, **extra)
+
+
+def object_key_rows(k: IPCCacheServerKey, chunk_size: int) -> list[dict[str, Any]]:
+    """The server's ObjectKeys for a key's range (as FREE_LOOKUP_LOCKS / STORE derive
+    them: hashes of ``[start, end)``, rolling from token 0), with each one's chunk index
+    found in the full hash list."""
+    hasher = TokenHasher(chunk_size=chunk_size, hash_algorithm="blake3")
+    every = hasher.compute_chunk_hashes(list(k.token_ids))
+    hashes = hasher.compute_chunk_hashes(list(k.token_ids), start=k.start, end=k.end)
+    return [{"chunk_index": every.index(ok.chunk_hash), "chunk_hash": ok.chunk_hash.hex(),
+             "kv_rank": ok.kv_rank, "model_name": ok.model_name, "cache_salt": ok.cache_salt}
+            for ok in ipc_key_to_object_keys(k, hashes, [0])[0]]
+
+
+def key_plain(k: IPCCacheServerKey) -> dict[str, Any]:
+    return tag(k)["$key"]  # type: ignore[no-any-return]
+
+
+def key_cases() -> list[dict[str, Any]]:
+    from lmcache.integration.vllm.vllm_multi_process_adapter import ParallelStrategy
+
+    lookup_cls, free_cls = payload_classes("LOOKUP"), payload_classes("FREE_LOOKUP_LOCKS")
+    store_cls = payload_classes("STORE")
+    cases = []
+    krng = random.Random(20261201)
+    for n, (mla, tp, pp) in enumerate(DEPLOYMENTS):
+        for worker in sorted({0, tp * pp - 1}):
+            strategy = ParallelStrategy(mla_only=mla, vllm_world_size=tp * pp,
+                                        vllm_worker_id=worker, tp_size=tp, pp_size=pp,
+                                        n_servers=1)
+            chunk = 256 if n == 0 and worker == 0 else 16
+            tokens = [krng.randrange(0, 2**32) for _ in range(4 * chunk + 5)]
+            start, end = [(chunk, 3 * chunk), (2 * chunk, 4 * chunk), (0, chunk),
+                          (3 * chunk, 4 * chunk)][(n + worker) % 4]
+            salt = SALTS[(n + worker) % len(SALTS)]
+            model = "模型-llama ✓" if n % 5 == 4 else "m"
+            rid = f"req-{n}-{worker}"
+            whole = adapter_key(strategy, tokens, worker_id=None, start=0,
+                                end=len(tokens) - len(tokens) % chunk, request_id=rid,
+                                salt=salt, model=model)
+            ranged = adapter_key(strategy, tokens, worker_id=strategy.kv_worker_id,
+                                 start=start, end=end, request_id=rid, salt=salt, model=model)
+            free = ranged.no_worker_id_version()
+            if FAMILY != "0.5.3":  # no_worker_id_version keeps the readers from 0.5.5 on
+                assert free.num_kv_readers == ranged.num_kv_readers
+            tp_payload = strategy.kv_tp_size  # what the adapter sends with LOOKUP / FREE
+            cases.append({
+                "name": f"{'mla' if mla else 'mha'}-tp{tp}-pp{pp}-w{worker}",
+                "mla": mla, "tp": tp, "pp": pp, "vllm_worker_id": worker,
+                "kv_world_size": strategy.kv_world_size, "kv_worker_id": strategy.kv_worker_id,
+                "tp_size": tp_payload, "chunk_size": chunk,
+                "model_name": model, "token_ids": tokens, "start": start, "end": end,
+                "request_id": rid, "cache_salt": salt,
+                "lookup": {"key": key_plain(whole),
+                           "frames": [msgspec_encode(whole, lookup_cls[0]).hex(),
+                                      msgspec_encode(tp_payload, lookup_cls[1]).hex()],
+                           "read_locks": server_read_locks(whole, tp_payload)},
+                "free": {"key": key_plain(free),
+                         "frames": [msgspec_encode(free, free_cls[0]).hex(),
+                                    msgspec_encode(tp_payload, free_cls[1]).hex()],
+                         "object_keys": object_key_rows(free, chunk)},
+                "transfer": {"key": key_plain(ranged),
+                             "frames": [msgspec_encode(ranged, store_cls[0]).hex()],
+                             "object_keys": object_key_rows(ranged, chunk)},
+            })
+    return cases
+
+
 # ----------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -505,7 +602,8 @@ def requests_replies_hashes() -> list[tuple[str, list[dict[str, Any]]]]:
                 "kv_ranks": ranks,
             })
 
-    return [("requests", requests), ("replies", replies), ("hashes", hasher_cases)]
+    return [("requests", requests), ("replies", replies), ("hashes", hasher_cases),
+            ("keys", key_cases())]
 
 
 if __name__ == "__main__":
