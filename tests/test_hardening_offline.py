@@ -135,7 +135,11 @@ def test_an_unresponsive_server_is_forgotten_on_reconnect_and_recovered(
             took, err = timed(lambda: req.store(list(range(1, 17))))
         assert isinstance(err, ServerUnresponsive) and took < 0.6 + SLACK
         fake.silent.clear()
+        epoch = c._conn.transport.epoch
         fake.restart()  # a new server process: the client connects again by itself
+        # Until the reconnection is seen, calls fail fast by design (the server was judged
+        # unresponsive); under load the first call could come before it (CI, stop 17).
+        assert wait_until(lambda: c._conn.transport.refresh() > epoch)
         with reg.request(tokens(seed=1)) as req:
             assert req.store(list(range(1, 17)), timeout=3.0) is True
         assert reg.recoveries >= 1 and fake.state.registered == {reg.instance_id: "lmcache"}
