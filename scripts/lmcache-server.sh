@@ -59,7 +59,10 @@ install_locked() {
   venv_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$base_site" >"$venv_site/_lmcache_mp_shared_torch.pth"
   "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip
-  "$venv/bin/pip" install -q --disable-pip-version-check "lmcache==$version"
+  # An exact pin (lmcache==0.5.7rc2) selects a pre-release of lmcache alone; pip's --pre
+  # would also take pre-releases of its dependencies, and httpx 1.0.dev breaks lmcache's
+  # import (no httpx.AsyncClient), so httpx is held below 1 as well.
+  "$venv/bin/pip" install -q --disable-pip-version-check "lmcache==$version" "httpx<1"
   "$venv/bin/python" -c "import torch, lmcache; print('oracle', lmcache.__file__, 'torch', torch.__version__)" >&2
 }
 

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 SERVER_SCRIPT = REPO / "scripts" / "lmcache-server.sh"
 SERVER_VERSION = os.environ.get("LMCACHE_MP_SERVER_VERSION", "0.5.3")
 # The protocol family each release must be detected as.
-EXPECTED_FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}
+EXPECTED_FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6",
+                   "0.5.7rc2": "0.5.7"}
 
 
 def free_port() -> int:
