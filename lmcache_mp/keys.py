@@ -146,6 +146,7 @@ class CacheKey:
     world_size: int
     worker_id: int | None
     token_bytes: bytes
+    _token_ids: tuple[int, ...] | None
     start: int
     end: int
     request_id: str
