@@ -449,6 +449,40 @@ def wrapper_cases() -> list[dict[str, Any]]:
         cases.append({"kind": "cuda_ipc", "fields": {
             **common, "alloc_offset": offsets[i], "device_index": device_index},
             "data": checked_serialize(cw).hex()})
+    return cases + (vmm_cases() if RPC else [])
+
+
+def vmm_cases() -> list[dict[str, Any]]:
+    """0.5.6+: ``VmmCudaIPCWrapper`` descriptors (``cuda_vmm``), both kinds, as the
+    release's own ``from_wire`` restores them and its ``Serialize`` writes them (a
+    wrapper's own ``__init__`` needs a GPU; the fd never rides the descriptor)."""
+    from lmcache.v1.platform.base.ipc_wire import TensorMetadata, VmmCudaIPCData
+    from lmcache.v1.platform.devices.cuda.ipc_wrapper import VmmCudaIPCWrapper
+
+    cases = []
+    rows = [("posix_fd", None, torch.bfloat16, (2, 64, 4, 16, 32), 2**21, 0),
+            ("posix_fd", None, torch.float16, (128, 16, 576), 2**30, 2**29 + 4096),
+            ("fabric", bytes(range(64)), torch.float32, (2, 1, 1, 1, 1), 2**21, 512),
+            ("fabric", b"\xff" * 64, torch.float8_e4m3fn, (2, 4096, 8, 16, 128), 2**34, 0)]
+    for i, (kind, blob, dtype, shape, alloc_size, offset) in enumerate(rows):
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        export_id = bytes((i * 17 + j) % 256 for j in range(16))
+        uuid = f"{i:08x}-aaaa-bbbb-cccc-{i * 7919:012x}"
+        meta = TensorMetadata(dtype=str(dtype).removeprefix("torch."), shape=shape,
+                              stride=_contiguous(shape), storage_offset=0, device_uuid=uuid)
+        data = VmmCudaIPCData(version=1, metadata=meta, export_id=export_id, kind=kind,
+                              fabric_blob=blob, alloc_size=alloc_size, alloc_offset=offset,
+                              nbytes=nbytes)
+        wrapper = VmmCudaIPCWrapper.from_wire(data)
+        cases.append({"kind": "cuda_vmm", "fields": {
+            "export_id": export_id.hex(), "vmm_kind": kind,
+            "fabric_blob": None if blob is None else blob.hex(), "alloc_size": alloc_size,
+            "alloc_offset": offset, "nbytes": nbytes, "dtype": meta.dtype,
+            "shape": list(shape), "stride": list(meta.stride), "device_uuid": uuid},
+            "data": checked_serialize(wrapper).hex()})
     return cases
 
 

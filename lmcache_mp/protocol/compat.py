@@ -53,6 +53,10 @@ def compatibility_table() -> str:
         ("KV-cache wrapper format", [_wrapper_format(p) for p in profiles]),
         ("CUDA wrapper forms", [", ".join(f"`{f}`" for f in p.wrappers.cuda)
                                 for p in profiles]),
+        ("CUDA VMM memory (`cuda_vmm`)", [
+            "no" if p.wrappers.vmm is None else
+            "kinds: " + ", ".join(p.wrappers.vmm_kinds) + " (no server receives a POSIX fd)"
+            for p in profiles]),
     ]
     head = "| feature | " + " | ".join(f"`{p.name}` profile" for p in profiles) + " |"
     sep = "|---|" + "---|" * len(profiles)
