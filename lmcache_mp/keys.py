@@ -55,15 +55,15 @@ def _pack_checked_ints(seq: Sequence[int]) -> bytes:
     return _big_endian(array.array("I", seq))
 
 
-def _pack_tokens(token_ids: Any) -> bytes:
-    """``token_ids`` as LMCache 0.5.7's ``token_bytes`` (big-endian uint32 per token),
-    checked as strictly as the server would decode them, and stricter.
-
-    numpy arrays and ``array('I')`` are converted in bulk, without a Python int per
-    token; lists and tuples hold Python ints already and are packed in one C call.
-    """
+def _read_tokens(token_ids: Any) -> tuple[bytes | None, tuple[int, ...] | None]:
+    """``token_ids`` checked as strictly as the server would decode them (and stricter),
+    in the form that costs least to get: ``(packed, None)`` for numpy arrays and
+    ``array('I')`` (converted in bulk, without a Python int per token: the form
+    LMCache 0.5.7's ``token_bytes`` sends), ``(None, ids)`` for lists and tuples (their
+    Python ints exist already: the form 0.5.3-0.5.6 keys send). A key derives the other
+    form only if a profile asks for it, once."""
     if isinstance(token_ids, _Packed):
-        return bytes(token_ids)  # msgspec encodes exact bytes only, not a subclass
+        return bytes(token_ids), None  # msgspec encodes exact bytes only, not a subclass
     kind = getattr(getattr(token_ids, "dtype", None), "kind", None)
     if isinstance(kind, str) and hasattr(token_ids, "tolist"):  # numpy-like
         if getattr(token_ids, "ndim", 1) != 1:
@@ -72,15 +72,15 @@ def _pack_tokens(token_ids: Any) -> bytes:
             raise InvalidArgument(f"token_ids must hold integers, got dtype {token_ids.dtype}")
         if len(token_ids) and (int(token_ids.min()) < 0 or int(token_ids.max()) > 2**32 - 1):
             raise InvalidArgument("token ids must fit in uint32 (0 <= id < 2**32)")
-        return token_ids.astype(">u4").tobytes()  # type: ignore[no-any-return]
+        return token_ids.astype(">u4").tobytes(), None
     if isinstance(token_ids, array.array):
         if token_ids.typecode not in "bBhHiIlLqQ":
             raise InvalidArgument(f"token_ids: array typecode {token_ids.typecode!r} does not "
                                   f"hold integers (token ids are uint32)")
         if token_ids.typecode == "I" and _NATIVE_U32:
-            return _big_endian(array.array("I", token_ids))  # a copy; the caller's is kept
+            return _big_endian(array.array("I", token_ids)), None  # a copy: the caller's kept
         try:
-            return _pack_checked_ints(array.array("I", token_ids))
+            return _pack_checked_ints(array.array("I", token_ids)), None
         except OverflowError:
             raise InvalidArgument("token ids must fit in uint32 (0 <= id < 2**32)") from None
     if hasattr(token_ids, "tolist") and not isinstance(token_ids, (list, tuple)):
@@ -94,20 +94,12 @@ def _pack_tokens(token_ids: Any) -> bytes:
             f"token_ids must be a list, tuple, array('I') or 1-D integer numpy array, "
             f"got {type(token_ids).__name__}"
         )
-    # Exactly-int elements (no bool, float, numpy scalar) pack in one C call, which
-    # also range-checks; anything else is checked by msgspec for a precise message.
-    if set(map(type, token_ids)) <= {int}:
-        try:
-            return _pack_checked_ints(token_ids)
-        except OverflowError:
-            pass
     try:
-        checked = msgspec.convert(token_ids, _TOKENS, strict=True)
+        return None, msgspec.convert(token_ids, _TOKENS, strict=True)
     except msgspec.ValidationError as exc:
         raise InvalidArgument(
             f"token ids must be ints that fit in uint32 (0 <= id < 2**32): {exc}"
         ) from None
-    return _pack_checked_ints(checked)
 
 
 def _unpack(packed: bytes) -> tuple[int, ...]:
@@ -137,16 +129,18 @@ class CacheKey:
     # The constructor's fields (replace() takes these).
     FIELDS = ("model_name", "world_size", "worker_id", "token_ids", "start", "end",
               "request_id", "cache_salt")
-    # Token ids are held packed (LMCache 0.5.7's token_bytes, and the bytes the server
-    # hashes); the tuple older servers' keys carry is unpacked on first use, once.
-    __slots__ = ("model_name", "world_size", "worker_id", "token_bytes", "_token_ids",
-                 "start", "end", "request_id", "cache_salt")
+    # Token ids are held in the form they came in (packed from numpy / array('I'), a
+    # tuple from a list); the other form (0.5.7's token_bytes, or the tuple older
+    # servers' keys carry) is derived on first use, once.
+    __slots__ = ("model_name", "world_size", "worker_id", "_token_bytes", "_token_ids",
+                 "_count", "start", "end", "request_id", "cache_salt")
 
     model_name: str
     world_size: int
     worker_id: int | None
-    token_bytes: bytes
+    _token_bytes: bytes | None
     _token_ids: tuple[int, ...] | None
+    _count: int
     start: int
     end: int
     request_id: str
@@ -175,8 +169,8 @@ class CacheKey:
                 f"worker_id must be None or an int in [0, world_size={world_size}), "
                 f"got {worker_id!r}"
             )
-        packed = _pack_tokens(token_ids)
-        count = len(packed) // 4
+        packed, ids = _read_tokens(token_ids)
+        count = len(ids) if packed is None else len(packed) // 4  # type: ignore[arg-type]
         if not _is_int(start) or not _is_int(end):
             raise InvalidArgument("start and end must be ints")
         if not 0 <= start <= end <= count:
@@ -203,8 +197,9 @@ class CacheKey:
         setter(self, "model_name", model_name)
         setter(self, "world_size", world_size)
         setter(self, "worker_id", worker_id)
-        setter(self, "token_bytes", packed)
-        setter(self, "_token_ids", None)
+        setter(self, "_token_bytes", packed)
+        setter(self, "_token_ids", ids)
+        setter(self, "_count", count)
         setter(self, "start", start)
         setter(self, "end", end)
         setter(self, "request_id", request_id)
@@ -220,7 +215,9 @@ class CacheKey:
             raise InvalidArgument(f"CacheKey has no field {', '.join(sorted(unknown))}; "
                                   f"fields: {', '.join(self.FIELDS)}")
         fields = {name: getattr(self, name) for name in self.FIELDS if name != "token_ids"}
-        fields["token_ids"] = _Packed(self.token_bytes)  # packed and checked: not redone
+        # Checked already: not validated again (tokens of long prompts).
+        fields["token_ids"] = (self._token_ids if self._token_bytes is None
+                               else _Packed(self._token_bytes))
         fields.update(changes)
         return CacheKey(**fields)
 
@@ -229,14 +226,24 @@ class CacheKey:
         """The token ids as a tuple of ints (unpacked on first use, then kept)."""
         ids = self._token_ids
         if ids is None:
-            ids = _unpack(self.token_bytes)
+            ids = _unpack(self._token_bytes)  # type: ignore[arg-type]
             object.__setattr__(self, "_token_ids", ids)
         return ids
 
     @property
+    def token_bytes(self) -> bytes:
+        """The token ids packed as big-endian uint32, LMCache 0.5.7's ``token_bytes``
+        and the bytes its hasher reads (packed on first use, then kept)."""
+        packed = self._token_bytes
+        if packed is None:
+            packed = _pack_checked_ints(self._token_ids)  # type: ignore[arg-type]
+            object.__setattr__(self, "_token_bytes", packed)
+        return packed
+
+    @property
     def num_token_ids(self) -> int:
         """How many token ids the key holds (the whole sequence, not the range)."""
-        return len(self.token_bytes) // 4
+        return self._count
 
     def with_range(self, start: int, end: int) -> CacheKey:
         """A copy for tokens ``[start, end)``; only the range is checked again (the
