@@ -134,3 +134,59 @@ def test_pool_memory_is_never_taken_for_vmm() -> None:
     with pytest.raises(InvalidArgument, match="stream-ordered memory pool"):
         CudaKVCache.from_pointers([base], driver=drv, **GEOM)  # type: ignore[arg-type]
     assert not any(c[0] == "vmm_retain" for c in drv.calls)
+
+
+# ------------------------------------------- the server's own receiving code (CPU)
+_RECEIVER = r"""
+import json, sys
+from lmcache.v1.platform.base.ipc_wrapper import DeviceIPCWrapper
+from lmcache.v1.platform.devices.cuda import ipc_wrapper as iw
+out = []
+for hexdata in json.loads(sys.argv[1]):
+    w = DeviceIPCWrapper.Deserialize(bytes.fromhex(hexdata))
+    row = {"cls": type(w).__name__, "kind": w._kind, "export_id": w._export_id.hex(),
+           "alloc_size": w._alloc_size, "alloc_offset": w._alloc_offset,
+           "nbytes": w._nbytes, "fd": w._fd, "shape": list(w.shape)}
+    try:  # what to_tensor() asks first for a posix_fd descriptor
+        iw._resolve_vmm_fd(w._export_id)
+        row["resolver"] = "installed"
+    except RuntimeError as exc:
+        row["resolver"] = str(exc)
+    out.append(row)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.live
+def test_the_release_reads_our_descriptors_and_has_no_fd_receiver() -> None:
+    """Our cuda_vmm bytes, decoded by the release's own DeviceIPCWrapper.Deserialize in
+    its oracle venv (no GPU needed up to the import), and the reason posix_fd is
+    refused: a fresh LMCache process has no fd resolver installed."""
+    import json
+    import subprocess
+
+    from .conftest import EXPECTED_FAMILY, SERVER_VERSION, oracle_python
+
+    if get_profile(EXPECTED_FAMILY[SERVER_VERSION]).wrappers.vmm is None:
+        pytest.skip(f"LMCache {SERVER_VERSION} has no cuda_vmm descriptor")
+    drv = FakeDriver()
+    fd_cache, _ = vmm_cache(drv, HANDLE_TYPE_POSIX_FD)
+    fabric_cache, _ = vmm_cache(drv, HANDLE_TYPE_FABRIC)
+    recs = [*fd_cache.export_layers(), *fabric_cache.export_layers()]
+    proc = subprocess.run(
+        [str(oracle_python()), "-c", _RECEIVER,
+         json.dumps([vmm_descriptor(r).hex() for r in recs])],  # type: ignore[arg-type]
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    for rec, row in zip(recs, rows, strict=True):
+        assert isinstance(rec, VmmLayerExport)
+        assert row["cls"] == "VmmCudaIPCWrapper" and row["fd"] is None
+        assert (row["kind"], row["export_id"], row["alloc_size"], row["alloc_offset"],
+                row["nbytes"], tuple(row["shape"])) == (
+            rec.kind, rec.export_id.hex(), rec.alloc_size, rec.alloc_offset, rec.nbytes,
+            rec.shape)
+        assert "No VMM fd resolver installed" in row["resolver"]
+    fd_cache.close()
+    fabric_cache.close()
