@@ -4,7 +4,7 @@ Sans-I/O: :func:`detect` decides what to send and how to read the answers; the c
 supplies ``exchange(batch)``, which sends a batch of ``(name, frames)`` requests in order
 on one connection and returns ``{name: reply frames (after the uid) or None}``.
 
-The probe follows lmcache-mp-versions.md section 7, with two refinements:
+The probe follows lmcache-mp-versions.md section 7, with three refinements:
 
 * only integer op ids <= 32 (valid on every release from 0.4.7), every message at least
   ``[uid, op]``, and never ids 16, 17 or 20 with an empty payload (CLEAR somewhere);
@@ -13,7 +13,14 @@ The probe follows lmcache-mp-versions.md section 7, with two refinements:
   after a probe is answered only after that probe was handled: once the fence's reply
   is in, a missing reply means "no handler", not "slow". A 0.5.3 server is thus
   identified in one round trip instead of a 1.5 s timeout. Pool-run probes (id 11)
-  are fenced by a PING on the same pool, plus a short grace for multi-worker pools.
+  are fenced by a PING on the same pool, plus a short grace for multi-worker pools;
+* **a positive fingerprint past 0.5.5.** The document's step 3 ("kv_event_stream" ->
+  0.5.6+) no longer names a release: 0.5.7rc2 dropped that tag, and a later release may
+  keep or add it. So a server that looks like 0.5.6 or later is asked which cache key
+  it accepts (FREE_LOOKUP_LOCKS of an empty range: a no-op in both releases, decoded on
+  the message thread, so a wrong form is dropped before the fence). It must accept
+  exactly one of our forms; a server accepting neither is a release this client does
+  not know, refused with ProtocolMismatch before any data-plane request is sent.
 """
 
 from __future__ import annotations
