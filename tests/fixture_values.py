@@ -12,13 +12,12 @@ from typing import Any
 
 import msgspec
 
-from lmcache_mp.protocol import get_profile
+from lmcache_mp.protocol import PROFILES, get_profile
 from lmcache_mp.protocol.types import WrapperBlob
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 # Every release with fixtures, and the profile that must speak it.
-RELEASES = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6",
-            "0.5.7rc2": "0.5.7"}
+RELEASES = {rel: p.name for p in PROFILES.values() for rel in p.releases}
 
 
 def load(version: str, name: str) -> list[dict[str, Any]]:

@@ -26,8 +26,7 @@ from .probe_replay import Replay, record
 
 URL = "tcp://127.0.0.1:1"
 RECORDED = [(rel, case) for rel in RELEASES for case in load(rel, "probe")]
-FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6",
-          "0.5.7rc2": "0.5.7"}
+FAMILY = RELEASES  # release -> profile
 
 
 def hexed(*values: Any) -> list[str]:

@@ -48,8 +48,8 @@ from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 
 VERSION = dist_version("lmcache")
-FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6",
-          "0.5.7rc2": "0.5.7", "0.5.7": "0.5.7"}[VERSION]
+FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}.get(
+    VERSION, "0.5.7" if VERSION.startswith("0.5.7") else VERSION)
 # 0.5.6 and later: method-name operations, msgspec descriptors instead of pickles.
 RPC = FAMILY in ("0.5.6", "0.5.7")
 PACKED = FAMILY == "0.5.7"  # keys carry token_bytes
