@@ -389,7 +389,8 @@ for rel in "${releases[@]}"; do
     stop_server "$rel"
     errors=$(grep -c "LMCache ERROR" "$slog")
     # lmcache_mp's family detection sends one op id the release lacks (by design).
-    probes=$(grep -c "No handler registered for request type\|Available handlers:\|Invalid ZMQ operation identifier" "$slog")
+    # 0.5.6+: id 11 (retired) and the FREE_LOOKUP_LOCKS key form of the other release.
+    probes=$(grep -c "No handler registered for request type\|Available handlers:\|Invalid ZMQ operation identifier\|Error handling operation free_lookup_locks" "$slog")
     record "stop $rel" ok "$errors ERROR lines in server-$rel.log ($probes from lmcache_mp's protocol-detection probe)"
   fi
   port=$((port + 1))
