@@ -18,7 +18,9 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-RELEASES := 0.5.3 0.5.4 0.5.5 0.5.6
+# Every release CI runs the live suite against (a new one: one word here, plus its
+# fixtures: make fixtures && tools/record_probe.py). Pre-releases install by exact pin.
+RELEASES := 0.5.3 0.5.4 0.5.5 0.5.6 0.5.7rc2
 
 oracle:
 	for v in $(RELEASES); do scripts/lmcache-server.sh install --version $$v >/dev/null || exit 1; done

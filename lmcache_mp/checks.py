@@ -117,6 +117,13 @@ def server_url(url: Any, allow_remote: bool) -> str:
         raise InvalidArgument(
             f"{url!r}: inproc:// only reaches sockets inside this process's own ZMQ context, "
             f"never an LMCache server; use tcp://127.0.0.1:PORT or ipc:///path")
+    if scheme in ("grpc", "grpc+unix"):
+        # LMCache 0.5.6+ can serve gRPC instead of ZMQ (--transport grpc); its own
+        # client picks the transport by this scheme. This client speaks ZMQ only.
+        raise InvalidArgument(
+            f"{url!r}: that is LMCache's gRPC transport, which lmcache-mp does not speak "
+            f"(it speaks the ZMQ transport, LMCache's default). Start the server with "
+            f"--transport zmq (the default) and connect to tcp://HOST:PORT")
     if scheme != "tcp":
         raise InvalidArgument(
             f"{url!r}: unsupported transport {scheme!r}; an LMCache server listens on "

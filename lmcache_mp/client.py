@@ -45,7 +45,9 @@ class Client(ControlPlane, InstanceIdAPI):
         timeout: default deadline of each call, in seconds.
         protocol: the server's wire family: ``"auto"`` (default) probes the server on
             first use, and again after a reconnect, without disturbing it; or name it
-            (``"0.5.3"`` covers 0.5.4, ``"0.5.5"``, ``"0.5.6"``) to skip the probe.
+            (``"0.5.3"`` covers 0.5.4, ``"0.5.5"``, ``"0.5.6"``, ``"0.5.7"`` covers
+            0.5.7rc2) to skip the probe. A server answering like none of them (a newer
+            LMCache) is refused with ProtocolMismatch before anything else is sent.
         heartbeat_interval: seconds between ``PING(instance_id)`` heartbeats while the
             client holds a registration (None: no heartbeat thread; registrations are
             then checked only when used).

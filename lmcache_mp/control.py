@@ -158,7 +158,7 @@ class ControlPlane:
         budget = self._conn.seconds(timeout)
         self._all_ranks(key, tp_size, timeout)  # checks tp_size before anything is sent
         chunk = self.chunk_size()
-        want = len(key.token_ids) // chunk if min_chunks is None else min_chunks
+        want = key.num_token_ids // chunk if min_chunks is None else min_chunks
         deadline = time.monotonic() + budget
         while True:
             remaining = deadline - time.monotonic()

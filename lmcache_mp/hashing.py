@@ -29,7 +29,7 @@ NONE_HASH: bytes = blake3.blake3((0).to_bytes(8, "big", signed=True) + b"\0\0\0\
 
 
 def chunk_hashes(
-    token_ids: Sequence[int] | np.ndarray,
+    token_ids: Sequence[int] | np.ndarray | bytes,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     *,
     start: int = 0,
@@ -42,11 +42,19 @@ def chunk_hashes(
     """
     if chunk_size <= 0:
         raise ValueError("chunk_size must be positive")
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    if tokens.size and (tokens.min() < 0 or tokens.max() > 2**32 - 1):
-        raise ValueError("token ids must fit in uint32")
-    packed = tokens.astype(">u4").tobytes()
-    limit = len(tokens) if end is None else min(len(tokens), end)
+    if isinstance(token_ids, (bytes, bytearray, memoryview)):
+        # Already packed (CacheKey.token_bytes, LMCache 0.5.7's token_bytes).
+        packed = bytes(token_ids)
+        if len(packed) % 4:
+            raise ValueError("packed token ids must be a whole number of 4-byte words")
+        count = len(packed) // 4
+    else:
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        if tokens.size and (tokens.min() < 0 or tokens.max() > 2**32 - 1):
+            raise ValueError("token ids must fit in uint32")
+        packed = tokens.astype(">u4").tobytes()
+        count = len(tokens)
+    limit = count if end is None else min(count, end)
     num_complete = limit - limit % chunk_size
     step = 4 * chunk_size
     out: list[bytes] = []
@@ -77,7 +85,7 @@ class ObjectKeyInfo:
 
 
 def object_keys(
-    token_ids: Sequence[int] | np.ndarray,
+    token_ids: Sequence[int] | np.ndarray | bytes,
     *,
     model_name: str,
     world_size: int = 1,

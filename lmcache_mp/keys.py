@@ -7,6 +7,9 @@ world size. The server hashes ``token_ids`` itself (see :mod:`lmcache_mp.hashing
 
 from __future__ import annotations
 
+import array
+import struct
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +32,38 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _token_tuple(token_ids: Any) -> tuple[int, ...]:
+_SWAP = sys.byteorder == "little"
+_NATIVE_U32 = array.array("I").itemsize == 4
+
+
+class _Packed(bytes):
+    """Token ids already packed and checked (copies of a key): not validated again."""
+
+    __slots__ = ()
+
+
+def _big_endian(words: array.array[int]) -> bytes:
+    if _SWAP:
+        words.byteswap()
+    return words.tobytes()
+
+
+def _pack_checked_ints(seq: Sequence[int]) -> bytes:
+    """Big-endian uint32 words of Python ints already known to be in range."""
+    if not _NATIVE_U32:  # pragma: no cover - no such platform in CI
+        return struct.pack(f">{len(seq)}I", *seq)
+    return _big_endian(array.array("I", seq))
+
+
+def _read_tokens(token_ids: Any) -> tuple[bytes | None, tuple[int, ...] | None]:
+    """``token_ids`` checked as strictly as the server would decode them (and stricter),
+    in the form that costs least to get: ``(packed, None)`` for numpy arrays and
+    ``array('I')`` (converted in bulk, without a Python int per token: the form
+    LMCache 0.5.7's ``token_bytes`` sends), ``(None, ids)`` for lists and tuples (their
+    Python ints exist already: the form 0.5.3-0.5.6 keys send). A key derives the other
+    form only if a profile asks for it, once."""
+    if isinstance(token_ids, _Packed):
+        return bytes(token_ids), None  # msgspec encodes exact bytes only, not a subclass
     kind = getattr(getattr(token_ids, "dtype", None), "kind", None)
     if isinstance(kind, str) and hasattr(token_ids, "tolist"):  # numpy-like
         if getattr(token_ids, "ndim", 1) != 1:
@@ -38,7 +72,17 @@ def _token_tuple(token_ids: Any) -> tuple[int, ...]:
             raise InvalidArgument(f"token_ids must hold integers, got dtype {token_ids.dtype}")
         if len(token_ids) and (int(token_ids.min()) < 0 or int(token_ids.max()) > 2**32 - 1):
             raise InvalidArgument("token ids must fit in uint32 (0 <= id < 2**32)")
-        return tuple(token_ids.tolist())
+        return token_ids.astype(">u4").tobytes(), None
+    if isinstance(token_ids, array.array):
+        if token_ids.typecode not in "bBhHiIlLqQ":
+            raise InvalidArgument(f"token_ids: array typecode {token_ids.typecode!r} does not "
+                                  f"hold integers (token ids are uint32)")
+        if token_ids.typecode == "I" and _NATIVE_U32:
+            return _big_endian(array.array("I", token_ids)), None  # a copy: the caller's kept
+        try:
+            return _pack_checked_ints(array.array("I", token_ids)), None
+        except OverflowError:
+            raise InvalidArgument("token ids must fit in uint32 (0 <= id < 2**32)") from None
     if hasattr(token_ids, "tolist") and not isinstance(token_ids, (list, tuple)):
         try:  # e.g. a torch tensor: checked as the list it converts to
             token_ids = token_ids.tolist()
@@ -47,15 +91,23 @@ def _token_tuple(token_ids: Any) -> tuple[int, ...]:
                                   f"{exc}") from None
     if not isinstance(token_ids, (list, tuple)):
         raise InvalidArgument(
-            f"token_ids must be a list, tuple or 1-D integer numpy array, "
+            f"token_ids must be a list, tuple, array('I') or 1-D integer numpy array, "
             f"got {type(token_ids).__name__}"
         )
     try:
-        return msgspec.convert(token_ids, _TOKENS, strict=True)
+        return None, msgspec.convert(token_ids, _TOKENS, strict=True)
     except msgspec.ValidationError as exc:
         raise InvalidArgument(
             f"token ids must be ints that fit in uint32 (0 <= id < 2**32): {exc}"
         ) from None
+
+
+def _unpack(packed: bytes) -> tuple[int, ...]:
+    words = array.array("I")
+    words.frombytes(packed)
+    if _SWAP:
+        words.byteswap()
+    return tuple(words)
 
 
 class CacheKey:
@@ -74,21 +126,21 @@ class CacheKey:
         cache_salt: per-user isolation salt (<= 128 chars, none of ``@ / \\`` NUL).
     """
 
-    __slots__ = (
-        "model_name",
-        "world_size",
-        "worker_id",
-        "token_ids",
-        "start",
-        "end",
-        "request_id",
-        "cache_salt",
-    )
+    # The constructor's fields (replace() takes these).
+    FIELDS = ("model_name", "world_size", "worker_id", "token_ids", "start", "end",
+              "request_id", "cache_salt")
+    # Token ids are held in the form they came in (packed from numpy / array('I'), a
+    # tuple from a list); the other form (0.5.7's token_bytes, or the tuple older
+    # servers' keys carry) is derived on first use, once.
+    __slots__ = ("model_name", "world_size", "worker_id", "_token_bytes", "_token_ids",
+                 "_count", "start", "end", "request_id", "cache_salt")
 
     model_name: str
     world_size: int
     worker_id: int | None
-    token_ids: tuple[int, ...]
+    _token_bytes: bytes | None
+    _token_ids: tuple[int, ...] | None
+    _count: int
     start: int
     end: int
     request_id: str
@@ -117,13 +169,14 @@ class CacheKey:
                 f"worker_id must be None or an int in [0, world_size={world_size}), "
                 f"got {worker_id!r}"
             )
-        tokens = _token_tuple(token_ids)
+        packed, ids = _read_tokens(token_ids)
+        count = len(ids) if packed is None else len(packed) // 4  # type: ignore[arg-type]
         if not _is_int(start) or not _is_int(end):
             raise InvalidArgument("start and end must be ints")
-        if not 0 <= start <= end <= len(tokens):
+        if not 0 <= start <= end <= count:
             raise InvalidArgument(
                 f"need 0 <= start <= end <= len(token_ids); got start={start}, end={end}, "
-                f"len(token_ids)={len(tokens)} (the server would hash a partial chunk "
+                f"len(token_ids)={count} (the server would hash a partial chunk "
                 f"that no lookup can ever hit)"
             )
         if not isinstance(request_id, str):
@@ -144,7 +197,9 @@ class CacheKey:
         setter(self, "model_name", model_name)
         setter(self, "world_size", world_size)
         setter(self, "worker_id", worker_id)
-        setter(self, "token_ids", tokens)
+        setter(self, "_token_bytes", packed)
+        setter(self, "_token_ids", ids)
+        setter(self, "_count", count)
         setter(self, "start", start)
         setter(self, "end", end)
         setter(self, "request_id", request_id)
@@ -155,20 +210,47 @@ class CacheKey:
 
     def replace(self, **changes: Any) -> CacheKey:
         """A copy with some fields changed (validated again)."""
-        unknown = set(changes) - set(self.__slots__)
+        unknown = set(changes) - set(self.FIELDS)
         if unknown:
             raise InvalidArgument(f"CacheKey has no field {', '.join(sorted(unknown))}; "
-                                  f"fields: {', '.join(self.__slots__)}")
-        fields = {name: getattr(self, name) for name in self.__slots__}
+                                  f"fields: {', '.join(self.FIELDS)}")
+        fields = {name: getattr(self, name) for name in self.FIELDS if name != "token_ids"}
+        # Checked already: not validated again (tokens of long prompts).
+        fields["token_ids"] = (self._token_ids if self._token_bytes is None
+                               else _Packed(self._token_bytes))
         fields.update(changes)
         return CacheKey(**fields)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The token ids as a tuple of ints (unpacked on first use, then kept)."""
+        ids = self._token_ids
+        if ids is None:
+            ids = _unpack(self._token_bytes)  # type: ignore[arg-type]
+            object.__setattr__(self, "_token_ids", ids)
+        return ids
+
+    @property
+    def token_bytes(self) -> bytes:
+        """The token ids packed as big-endian uint32, LMCache 0.5.7's ``token_bytes``
+        and the bytes its hasher reads (packed on first use, then kept)."""
+        packed = self._token_bytes
+        if packed is None:
+            packed = _pack_checked_ints(self._token_ids)  # type: ignore[arg-type]
+            object.__setattr__(self, "_token_bytes", packed)
+        return packed
+
+    @property
+    def num_token_ids(self) -> int:
+        """How many token ids the key holds (the whole sequence, not the range)."""
+        return self._count
 
     def with_range(self, start: int, end: int) -> CacheKey:
         """A copy for tokens ``[start, end)``; only the range is checked again (the
         tokens were checked once, which matters for long prompts)."""
-        if not _is_int(start) or not _is_int(end) or not 0 <= start <= end <= len(self.token_ids):
+        if not _is_int(start) or not _is_int(end) or not 0 <= start <= end <= self.num_token_ids:
             raise InvalidArgument(
-                f"need ints 0 <= start <= end <= {len(self.token_ids)} (the number of tokens), "
+                f"need ints 0 <= start <= end <= {self.num_token_ids} (the number of tokens), "
                 f"got start={start!r}, end={end!r}")
         key = object.__new__(CacheKey)
         for name in self.__slots__:
@@ -187,7 +269,7 @@ class CacheKey:
             self.model_name,
             self.world_size,
             self.worker_id,
-            self.token_ids,
+            self.token_bytes,
             self.start,
             self.end,
             self.cache_salt,
@@ -200,8 +282,8 @@ class CacheKey:
         return hash(self._identity())
 
     def __repr__(self) -> str:
-        n = len(self.token_ids)
-        head = ", ".join(map(str, self.token_ids[:4])) + (", ..." if n > 4 else "")
+        n = self.num_token_ids
+        head = ", ".join(map(str, _unpack(self.token_bytes[:16]))) + (", ..." if n > 4 else "")
         return (
             f"CacheKey(model_name={self.model_name!r}, world_size={self.world_size}, "
             f"worker_id={self.worker_id}, token_ids=[{head}] ({n}), start={self.start}, "

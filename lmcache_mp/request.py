@@ -53,7 +53,7 @@ class Request:
         self._lock = threading.Lock()
         # Read locks this request holds on the server, per chunk, and the connection
         # they were taken on (a restarted server holds none).
-        self._locks = [0] * (len(self._key.token_ids) // self._chunk)
+        self._locks = [0] * (self._key.num_token_ids // self._chunk)
         self._lock_epoch = -1
         self._used = False
         self._closed = False
@@ -66,7 +66,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._key.token_ids)
+        return self._key.num_token_ids
 
     @property
     def held_locks(self) -> int:

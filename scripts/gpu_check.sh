@@ -2,8 +2,8 @@
 # One prepared run on a lent GPU machine (see ../shared/reference/gpu-device-notes.md):
 # install the carried wheels, then for each LMCache release (0.5.3 and 0.5.6) start its
 # real MP server in GPU mode, run the GPU round trip (scripts/gpu_check.py: our wrapper
-# forms vs LMCache's own client) and the doctor, stop it; then the CUDA tests. One short
-# table at the end.
+# forms vs LMCache's own client) and the doctor, stop it; then the VMM export check
+# (scripts/gpu_vmm_check.py) and the CUDA tests. One short table at the end.
 #
 # Here, first:  scripts/fetch_gpu_wheels.sh         (fills the git-ignored .whl/)
 # On the GPU:   device run, carry [".whl"], timeout_s 600, command "bash scripts/gpu_check.sh"
@@ -389,11 +389,34 @@ for rel in "${releases[@]}"; do
     stop_server "$rel"
     errors=$(grep -c "LMCache ERROR" "$slog")
     # lmcache_mp's family detection sends one op id the release lacks (by design).
-    probes=$(grep -c "No handler registered for request type\|Available handlers:\|Invalid ZMQ operation identifier" "$slog")
+    # 0.5.6+: id 11 (retired) and the FREE_LOOKUP_LOCKS key form of the other release.
+    probes=$(grep -c "No handler registered for request type\|Available handlers:\|Invalid ZMQ operation identifier\|Error handling operation free_lookup_locks" "$slog")
     record "stop $rel" ok "$errors ERROR lines in server-$rel.log ($probes from lmcache_mp's protocol-detection probe)"
   fi
   port=$((port + 1))
 done
+
+# -------------------------------------------------------------- VMM export
+# cuMemCreate memory exported as a POSIX fd (scripts/gpu_vmm_check.py): the fd names
+# the memory (imported and read back here, as LMCache's receiver would map it).
+if [ "$dry" = 1 ]; then
+  record "vmm export" skip "dry run: needs a GPU (cuMemCreate)"
+else
+  t=$(left 60)
+  if ((t < 10)); then
+    record "vmm export" skip "no time left"
+  else
+    t0=$SECONDS
+    run_step "vmm export" "$t" env PYTHONPATH="$site/common:$repo" "$py" scripts/gpu_vmm_check.py
+    rc=$?
+    line=$(tail -1 "$work/step.log")
+    case $rc in
+      0) record "vmm export" ok "$line" $((SECONDS - t0)) ;;
+      3) record "vmm export" skip "$line" $((SECONDS - t0)) ;;
+      *) record "vmm export" FAIL "$(rc_detail "$rc" "$t"): $line" $((SECONDS - t0)) ;;
+    esac
+  fi
+fi
 
 # ------------------------------------------------------------------ tests
 if [ "${GPU_CHECK_SKIP_PYTEST:-0}" = 1 ]; then
@@ -409,7 +432,8 @@ else
     # The device's own cuda-bindings; live tests need the oracle venvs, absent there.
     run_step pytest "$t" env PYTHONPATH="$site/common:$repo" LMCACHE_MP_SKIP_LIVE=1 \
       "$test_py" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_live.py \
-      tests/test_cuda_events.py tests/test_cuda_exporter.py tests/test_codec_fixtures.py
+      tests/test_cuda_events.py tests/test_cuda_exporter.py tests/test_cuda_vmm.py \
+      tests/test_codec_fixtures.py
     rc=$?
     line=$(grep -E "passed|failed|error" "$work/step.log" | tail -1)
     if ((rc == 0)); then record pytest ok "$line" $((SECONDS - t0))

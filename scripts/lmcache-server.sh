@@ -59,7 +59,10 @@ install_locked() {
   venv_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   echo "$base_site" >"$venv_site/_lmcache_mp_shared_torch.pth"
   "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip
-  "$venv/bin/pip" install -q --disable-pip-version-check "lmcache==$version"
+  # An exact pin (lmcache==0.5.7rc2) selects a pre-release of lmcache alone; pip's --pre
+  # would also take pre-releases of its dependencies, and httpx 1.0.dev breaks lmcache's
+  # import (no httpx.AsyncClient), so httpx is held below 1 as well.
+  "$venv/bin/pip" install -q --disable-pip-version-check "lmcache==$version" "httpx<1"
   "$venv/bin/python" -c "import torch, lmcache; print('oracle', lmcache.__file__, 'torch', torch.__version__)" >&2
 }
 
@@ -91,18 +94,27 @@ sys.exit(0 if ok else 1)
 PY
 }
 
-is_our_server() {  # pid still runs, and is the server we started (not a recycled pid)
+runs_server() {  # pid still runs, and is an LMCache server on this port (not a recycled pid)
   [ -r "/proc/$1/cmdline" ] && tr '\0' ' ' <"/proc/$1/cmdline" | grep -q "lmcache.v1.multiprocess.server.*--port $port"
+}
+
+# The run directory lives in the oracle directory, which several checkouts may share
+# (a symlinked .oracle): a pid file can name another checkout's server on the same
+# port. Servers are started with this checkout's path in their environment, and only
+# those are ever stopped.
+owner="LMCACHE_MP_SERVER_OWNER=$repo"
+is_our_server() {
+  runs_server "$1" && [ -r "/proc/$1/environ" ] && tr '\0' '\n' <"/proc/$1/environ" | grep -qxF "$owner"
 }
 
 start() {
   install
   mkdir -p "$run_dir"
-  if [ -f "$pid_file" ] && is_our_server "$(cat "$pid_file")"; then
+  if [ -f "$pid_file" ] && runs_server "$(cat "$pid_file")"; then
     echo "lmcache-server.sh: a server is already running on port $port (pid $(cat "$pid_file"))" >&2; exit 1
   fi
   # GET_CHUNK_SIZE is 21 in 0.5.3-0.5.6 (ids 1-24 are frozen since 0.5.3).
-  setsid "$venv/bin/python" -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port "$port" \
+  env "$owner" setsid "$venv/bin/python" -m lmcache.v1.multiprocess.server --host 127.0.0.1 --port "$port" \
     --l1-size-gb 1 --eviction-policy LRU --disable-observability "${extra[@]}" >"$log_file" 2>&1 </dev/null &
   echo $! >"$pid_file"
   local pid; pid=$(cat "$pid_file")
@@ -127,6 +139,10 @@ start() {
 stop() {
   [ -f "$pid_file" ] || { echo "lmcache-server.sh: no server recorded on port $port"; return 0; }
   local pid; pid=$(cat "$pid_file")
+  if runs_server "$pid" && ! is_our_server "$pid"; then
+    echo "lmcache-server.sh: the server on port $port (pid $pid) was started from another checkout; not stopping it" >&2
+    return 0
+  fi
   if is_our_server "$pid"; then
     kill -TERM "$pid" 2>/dev/null || true
     for _ in $(seq 1 100); do is_our_server "$pid" || break; sleep 0.1; done

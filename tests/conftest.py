@@ -18,11 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_mp.protocol import PROFILES
+
 REPO = Path(__file__).resolve().parent.parent
 SERVER_SCRIPT = REPO / "scripts" / "lmcache-server.sh"
 SERVER_VERSION = os.environ.get("LMCACHE_MP_SERVER_VERSION", "0.5.3")
 # The protocol family each release must be detected as.
-EXPECTED_FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}
+# release -> the profile that must speak it, as the profiles declare it
+EXPECTED_FAMILY = {rel: p.name for p in PROFILES.values() for rel in p.releases}
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ it would fail the multi-device tests.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaError, DeviceInfo, torch_uuid_string
@@ -33,6 +34,9 @@ class FakeDriver:
         self.calls: list[tuple[Any, ...]] = []
         self.opened: dict[bytes, int] = {}  # server handle -> times opened
         self.set_device_calls: list[int] = []
+        self.vmm_types: dict[int, int] = {}
+        self.vmm_retained: dict[int, int] = {}
+        self.vmm_fds: list[int] = []
 
     # versions / devices
     def bindings_version(self) -> str:
@@ -112,6 +116,37 @@ class FakeDriver:
     def pointer_device(self, ptr: int) -> int | None:
         found = self._find(ptr)
         return None if found is None else found[2]
+
+    # VMM (cuMemCreate) chunks: the handle types each was created with (default: a
+    # POSIX fd), the retained references outstanding, and the fds exported (real
+    # memfds, so that closing them is observable).
+    def set_vmm_types(self, base: int, types: int) -> None:
+        self.vmm_types[base] = types
+
+    def vmm_retain(self, ptr: int) -> tuple[str, int]:
+        found = self._find(ptr)
+        if found is None or found[3] != "vmm":
+            raise CudaError("cuMemRetainAllocationHandle failed: CUDA_ERROR_INVALID_VALUE",
+                            code=1)
+        self.vmm_retained[found[0]] = self.vmm_retained.get(found[0], 0) + 1
+        self.calls.append(("vmm_retain", found[0]))
+        return ("vmm", found[0])
+
+    def vmm_handle_types(self, handle: tuple[str, int]) -> int:
+        return self.vmm_types.get(handle[1], 0x1)
+
+    def vmm_export(self, handle: tuple[str, int], handle_type: int) -> int | bytes:
+        assert self.vmm_types.get(handle[1], 0x1) & handle_type, "not requested at create"
+        self.calls.append(("vmm_export", handle[1], handle_type))
+        if handle_type == 0x8:
+            return handle[1].to_bytes(8, "little") * 8
+        fd = os.memfd_create(f"fake-vmm-{handle[1]:x}")
+        self.vmm_fds.append(fd)
+        return fd
+
+    def vmm_release(self, handle: tuple[str, int]) -> None:
+        assert self.vmm_retained.get(handle[1], 0) > 0, "released more than retained"
+        self.vmm_retained[handle[1]] -= 1
 
     def ipc_get_mem_handle(self, ptr: int) -> bytes:
         assert ptr in self.allocs, "always exported at the base"

@@ -75,6 +75,8 @@ class FakeServer:
                  pool_bytes: int = 1 << 20, port: int | None = None) -> None:
         self.profile = get_profile(profile)
         self.by_id = {op.id: op for op in self.profile.operations.values()}
+        self.token_field = ("token_bytes" if "token_bytes" in self.profile.key_type.__struct_fields__
+                            else "token_ids")
         self.port = port or free_port()
         self.engine_driven = engine_driven
         self.state = FakeState()
@@ -155,6 +157,13 @@ class FakeServer:
         if op is None:
             return None  # no handler: logged and dropped by a real server
         payloads = [_dec.decode(f) for f in frames]
+        if len(payloads) != len(op.payloads) or any(
+                isinstance(p, dict) and "request_id" in p and "start" in p
+                and self.token_field not in p
+                for p in payloads):
+            # A real server drops a request with the wrong payload count, or a key
+            # without its release's token field (0.5.7: token_bytes; before: token_ids).
+            return None
         self.seen.append(Seen(op.name, payloads))
         if op.name in self.drop:
             return None
@@ -205,7 +214,7 @@ class FakeServer:
     def _hashes(self, key: dict[str, Any], whole: bool = False) -> list[tuple[str, bytes]]:
         """The object keys of the key's range (``whole``: of all its tokens): the salt
         is part of an object's identity, as in LMCache's ObjectKey."""
-        hashes = chunk_hashes(key["token_ids"], self.state.chunk_size,
+        hashes = chunk_hashes(key[self.token_field], self.state.chunk_size,
                               start=0 if whole else key["start"],
                               end=None if whole else key["end"])
         return [(key["cache_salt"], h) for h in hashes]
@@ -250,7 +259,7 @@ class FakeServer:
     def _op_query_prefetch_lookup_hits(self, request_id: str) -> int:
         return self.state.jobs.get(request_id, 0)  # 0.5.3-0.5.5; does not consume
 
-    def _op_free_lookup_locks(self, key: dict[str, Any], tp_size: int) -> Any:
+    def _op_free_lookup_locks(self, key: dict[str, Any], tp_size: int, *extra: Any) -> Any:
         readers = server_read_locks(self.profile.name, key, tp_size)
         if readers is None:
             return _NO_REPLY
@@ -270,7 +279,7 @@ class FakeServer:
         length = g["length"]
         return {"offset": index * length, "length": length, "shape": shape, "dtype": g["dtype"]}
 
-    def _op_prepare_store(self, key: dict[str, Any], instance_id: int) -> Any:
+    def _op_prepare_store(self, key: dict[str, Any], instance_id: int, *skipped: Any) -> Any:
         if instance_id not in self.state.registered:
             return _NO_REPLY
         hashes = self._hashes(key)

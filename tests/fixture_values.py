@@ -12,12 +12,12 @@ from typing import Any
 
 import msgspec
 
-from lmcache_mp.protocol import get_profile
+from lmcache_mp.protocol import PROFILES, get_profile
 from lmcache_mp.protocol.types import WrapperBlob
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 # Every release with fixtures, and the profile that must speak it.
-RELEASES = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}
+RELEASES = {rel: p.name for p in PROFILES.values() for rel in p.releases}
 
 
 def load(version: str, name: str) -> list[dict[str, Any]]:
@@ -50,7 +50,9 @@ def build(value: Any, tp: Any) -> Any:
         return inner
     if tag == "$wrappers":
         return [WrapperBlob(bytes.fromhex(h)) for h in inner]
-    if tag in ("$key", "$hints", "$groups", "$records", "$engine_driven"):
+    if tag == "$key":  # 0.5.7 keys hold token_bytes as {"$bytes": hex}
+        return msgspec.convert({k: build(v, None) for k, v in inner.items()}, tp)
+    if tag in ("$hints", "$groups", "$records", "$engine_driven"):
         return msgspec.convert(inner, tp)
     raise ValueError(f"unknown fixture tag {tag}")
 

@@ -27,7 +27,19 @@ QUESTIONS: dict[str, tuple[int, str | None]] = {
     "get_experimental": (32, None),
     "query_lookup_hits": (11, "rid"),
     "ping": (22, "nil"),
+    # Asked of 0.5.6 and later only: FREE_LOOKUP_LOCKS of an empty token range (both
+    # releases return before touching state), with each release's key and payloads.
+    "free_locks_056": (12, "key056"),
+    "free_locks_057": (12, "key057"),
 }
+NEWER_QUESTIONS = ("free_locks_056", "free_locks_057")
+
+
+def _empty_key(**tokens: Any) -> dict[str, Any]:
+    # Field order as LMCache's IPCCacheServerKey (0.5.6 / 0.5.7) declares it.
+    return {"model_name": "lmcache-mp-record", "world_size": 1, "worker_id": None, **tokens,
+            "start": 0, "end": 0, "request_id": f"lmcache-mp-record-{secrets.token_hex(6)}",
+            "cache_salt": "", "request_configs": None, "num_kv_readers": 1}
 
 
 def _frames(op: int, payload: str | None) -> list[bytes]:
@@ -38,13 +50,18 @@ def _frames(op: int, payload: str | None) -> list[bytes]:
         frames.append(_enc(f"lmcache-mp-record-{secrets.token_hex(6)}"))
     elif payload == "nil":
         frames.append(_enc(None))
+    elif payload == "key056":
+        frames += [_enc(_empty_key(token_ids=[])), _enc(1)]
+    elif payload == "key057":
+        frames += [_enc(_empty_key(token_bytes=b"")), _enc(1), _enc([])]
     return frames
 
 
-def record(url: str, wait: float = 3.0) -> dict[str, list[str] | None]:
+def record(url: str, wait: float = 3.0, newer: bool = False) -> dict[str, list[str] | None]:
     """Each question's reply frames (after the uid, hex) from the server at ``url``, or
     None where it gave none within ``wait`` seconds (SYNC questions are fenced by a
-    later UNREGISTER on the same thread; pool-run ones get the whole wait)."""
+    later UNREGISTER on the same thread; pool-run ones get the whole wait). ``newer``:
+    also the questions only ever asked of 0.5.6 and later."""
     from lmcache_mp.transport import Transport
 
     t = Transport(url)
@@ -55,7 +72,8 @@ def record(url: str, wait: float = 3.0) -> dict[str, list[str] | None]:
         fence = t.submit(_frames(2, "big"), wait + 5, "fence")
         t.wait_for(fence, wait)
         sent.update({name: t.submit(_frames(*QUESTIONS[name]), wait + 5, name)
-                     for name in ("query_lookup_hits", "ping")})
+                     for name in ("query_lookup_hits", "ping",
+                                  *(NEWER_QUESTIONS if newer else ()))})
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and not all(t.poll(p) for p in sent.values()):
             time.sleep(0.02)
@@ -68,6 +86,18 @@ def record(url: str, wait: float = 3.0) -> dict[str, list[str] | None]:
         return out
     finally:
         t.close()
+
+
+def _is_empty_free(form: str, rest: list[Any]) -> bool:
+    """A FREE_LOOKUP_LOCKS of an empty range in ``form``: nothing for a server to free."""
+    if form == "key056":
+        ok = len(rest) == 2 and rest[1] == 1 and isinstance(rest[0], dict) \
+            and rest[0].get("token_ids") == [] and "token_bytes" not in rest[0]
+    else:
+        ok = len(rest) == 3 and rest[1] == 1 and rest[2] == [] and isinstance(rest[0], dict) \
+            and rest[0].get("token_bytes") == b"" and "token_ids" not in rest[0]
+    return ok and rest[0].get("start") == rest[0].get("end") == 0 \
+        and rest[0].get("num_kv_readers") == 1
 
 
 class Replay:
@@ -104,6 +134,8 @@ class Replay:
             if payload == "rid" and len(rest) == 1 and isinstance(rest[0], str) and rest[0]:
                 return name
             if payload == "nil" and rest == [None]:
+                return name
+            if payload in ("key056", "key057") and _is_empty_free(payload, rest):
                 return name
         raise AssertionError(f"the probe sent {decoded}, which no recording proves harmless")
 

@@ -35,7 +35,7 @@ from .kv_reference import chunk_shape, reference_gather, reference_scatter
 CHUNK = 256
 BS = 16
 PER_CHUNK = CHUNK // BS
-FAMILIES = ["0.5.3", "0.5.5", "0.5.6"]
+FAMILIES = ["0.5.3", "0.5.5", "0.5.6", "0.5.7"]
 
 
 @pytest.fixture
@@ -419,7 +419,7 @@ def test_reader_count_per_family_and_locks_balance_on_close(
         fake.close()
 
 
-@pytest.mark.parametrize("family", ["0.5.5", "0.5.6"])
+@pytest.mark.parametrize("family", ["0.5.5", "0.5.6", "0.5.7"])
 def test_0_5_5_keys_always_carry_num_kv_readers(family: str) -> None:
     fake = FakeServer(profile=family)
     try:

@@ -12,8 +12,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from lmcache_mp.ipc.base import CudaLayerExport, LayerExport, ShmLayerExport
+from lmcache_mp import ProtocolMismatch
+from lmcache_mp.ipc.base import CudaLayerExport, LayerExport, ShmLayerExport, VmmLayerExport
 from lmcache_mp.protocol import decode_reply, encode_request
+from lmcache_mp.protocol.wrappers import vmm_descriptor
 
 from .fixture_values import RELEASES, build, build_reply, load, load_all, profile_for
 
@@ -75,6 +77,13 @@ CUDA_FORMS = {"cuda_raw": "raw", "cuda_ipc": "torch_ipc"}
 def _record(case: dict[str, Any], form: str) -> LayerExport:
     f = case["fields"]
     shape, stride = tuple(f["shape"]), tuple(f["stride"])
+    if case["kind"] == "cuda_vmm":
+        blob = f["fabric_blob"]
+        return VmmLayerExport(export_id=bytes.fromhex(f["export_id"]), kind=f["vmm_kind"],
+                              fabric_blob=None if blob is None else bytes.fromhex(blob),
+                              alloc_size=f["alloc_size"], alloc_offset=f["alloc_offset"],
+                              nbytes=f["nbytes"], dtype=f["dtype"], shape=shape, stride=stride,
+                              device_index=0, device_uuid=f["device_uuid"])
     if case["kind"] == "cpu_shm":
         return ShmLayerExport(f["shm_name"], f["nbytes"], f["dtype"], shape, stride)
     return CudaLayerExport(ipc_handle=bytes.fromhex(f["ipc_handle"]), nbytes=f["nbytes"],
@@ -86,9 +95,11 @@ def _record(case: dict[str, Any], form: str) -> LayerExport:
 @pytest.mark.parametrize("release", list(RELEASES))
 def test_every_release_has_every_wrapper_kind(release: str) -> None:
     kinds = {c["kind"] for c in load(release, "wrappers")}
-    assert kinds == {"cpu_shm", "cuda_raw", "cuda_ipc"}
+    # cuda_vmm: the descriptor releases (0.5.6+) open CUDA VMM memory.
+    vmm = {"cuda_vmm"} if profile_for(release).wrappers.vmm is not None else set()
+    assert kinds == {"cpu_shm", "cuda_raw", "cuda_ipc"} | vmm
     # 0.5.5+ raw wrappers carry an offset; the fixtures must exercise one.
-    if release in ("0.5.5", "0.5.6"):
+    if release in ("0.5.5", "0.5.6", "0.5.7rc2"):
         assert any(c["fields"].get("alloc_offset") for c in load(release, "wrappers")
                    if c["kind"] == "cuda_raw")
 
@@ -104,8 +115,33 @@ def test_wrappers_are_byte_identical_to_the_release_serializer(
     release, case = item
     profile = profile_for(release)
     form = CUDA_FORMS.get(case["kind"], "")
-    (blob,) = profile.wrappers.encode([_record(case, form)], release)
+    rec = _record(case, form)
+    if isinstance(rec, VmmLayerExport) and rec.kind == "posix_fd":
+        # Encoded byte-exact, but never sent: no release receives the fd (see below).
+        assert vmm_descriptor(rec).hex() == case["data"]
+        return
+    (blob,) = profile.wrappers.encode([rec], release)
     assert blob.data.hex() == case["data"]
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_vmm_layers_are_sent_as_fabric_handles_only(release: str) -> None:
+    """A fabric export rides in the cuda_vmm descriptor; a POSIX-fd export is refused
+    before sending (no LMCache release up to 0.5.7rc2 installs the fd resolver its
+    receiver needs), and families without cuda_vmm refuse VMM memory outright."""
+    profile = profile_for(release)
+    cases = [c for c in load("0.5.7rc2", "wrappers") if c["kind"] == "cuda_vmm"]
+    fabric = next(_record(c, "") for c in cases if c["fields"]["vmm_kind"] == "fabric")
+    fd = next(_record(c, "") for c in cases if c["fields"]["vmm_kind"] == "posix_fd")
+    if profile.wrappers.vmm is None:
+        for rec in (fabric, fd):
+            with pytest.raises(ProtocolMismatch, match="cannot open CUDA VMM memory"):
+                profile.wrappers.encode([rec], release)
+        return
+    (blob,) = profile.wrappers.encode([fabric], release)
+    assert blob.data == vmm_descriptor(fabric)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolMismatch, match="set_vmm_fd_resolver"):
+        profile.wrappers.encode([fd], release)
 
 
 @pytest.mark.parametrize("release", list(RELEASES))

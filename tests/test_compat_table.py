@@ -18,8 +18,9 @@ def test_readme_table_matches_the_profiles() -> None:
 
 
 def test_every_release_maps_to_a_profile() -> None:
-    assert set(PROFILES) == {"0.5.3", "0.5.5", "0.5.6"}
+    assert set(PROFILES) == {"0.5.3", "0.5.5", "0.5.6", "0.5.7"}
     assert get_profile("0.5.4") is get_profile("0.5.3")
+    assert get_profile("0.5.7rc2") is get_profile("0.5.7")
     table = compatibility_table()
-    assert "| GET_EXPERIMENTAL id | 40 | 32 | 32 |" in table
-    assert "| CLEAR payload | none | none | [force] |" in table
+    assert "| GET_EXPERIMENTAL id | 40 | 32 | 32 | 32 |" in table
+    assert "| CLEAR payload | none | none | [force] | [force] |" in table

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from lmcache_mp import Client, ProtocolMismatch, RequestTimeout
+from lmcache_mp import CacheKey, Client, ProtocolMismatch, RequestTimeout
 from lmcache_mp.protocol.detect import detect
 
 from .conftest import SERVER_VERSION, LiveServer
@@ -26,7 +26,7 @@ from .probe_replay import Replay, record
 
 URL = "tcp://127.0.0.1:1"
 RECORDED = [(rel, case) for rel in RELEASES for case in load(rel, "probe")]
-FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}
+FAMILY = RELEASES  # release -> profile
 
 
 def hexed(*values: Any) -> list[str]:
@@ -61,23 +61,28 @@ def test_each_release_is_detected_from_its_recorded_answers(
     found = detect(replay, URL, timeout=0.5, grace=0.1)
     assert found.profile == FAMILY[release]
     assert found.releases == {"0.5.3": "0.5.3/0.5.4", "0.5.5": "0.5.5",
-                              "0.5.6": "0.5.6"}[FAMILY[release]]
+                              "0.5.6": "0.5.6", "0.5.7": "0.5.7"}[FAMILY[release]]
     asked = [q for q, _ in replay.sent]
     assert asked[:4] == ["unregister_unknown", "get_chunk_size_or_noop", "get_experimental",
                          "unregister_unknown"]
     # 0.5.3/0.5.4 and an event-bus 0.5.6 are told apart in one round trip; only a
     # GET_EXPERIMENTAL without the event stream needs the pool-run question.
-    second_round = FAMILY[release] == "0.5.5" or case["server"] == "default" and \
-        FAMILY[release] == "0.5.6"
+    newer = FAMILY[release] in ("0.5.6", "0.5.7")
+    second_round = FAMILY[release] == "0.5.5" or case["server"] == "default" and newer
     assert ("query_lookup_hits" in asked) == second_round
     # A prompt answer to id 11 needs no grace exchange; only a missing one waits.
     waited = second_round and case["replies"]["query_lookup_hits"] is None
-    assert replay.calls == 1 + second_round + waited
+    # 0.5.6 and later: one more round, which key form the server accepts.
+    assert (asked[-3:] == ["free_locks_056", "free_locks_057", "ping"]) == newer
+    assert replay.calls == 1 + second_round + waited + newer
     v32 = case["replies"]["get_experimental"]
     evidence = ["id 2 -> <ack>", "id 21 -> 256",
                 f"id 32 -> {msgspec.msgpack.decode(bytes.fromhex(v32[1])) if v32 else None!r}"]
     if second_round:
         evidence.append("id 11 -> 0" if FAMILY[release] == "0.5.5" else "id 11 -> None")
+    if newer:
+        evidence += [f"FREE_LOOKUP_LOCKS 0.5.6 form -> {'ack' if found.profile == '0.5.6' else None}",
+                     f"FREE_LOOKUP_LOCKS 0.5.7 form -> {'ack' if found.profile == '0.5.7' else None}"]
     assert list(found.evidence) == evidence
 
 
@@ -92,7 +97,7 @@ def test_grace_zero_sends_no_grace_exchange() -> None:
     (case,) = [c for c in load("0.5.6", "probe") if c["server"] == "default"]
     replay = Replay(case["replies"])
     assert detect(replay, URL, timeout=0.5, grace=0.0).profile == "0.5.6"
-    assert replay.calls == 2
+    assert replay.calls == 3
 
 
 @pytest.mark.parametrize("lost", ["unregister_unknown_first", "fence"])
@@ -153,7 +158,7 @@ def test_a_server_that_stops_answering_mid_probe_is_a_timeout() -> None:
         detect(Replay({**case["replies"], "ping": None}), URL, timeout=0.5)
 
 
-@pytest.mark.parametrize("family", ["0.5.3", "0.5.5", "0.5.6"])
+@pytest.mark.parametrize("family", ["0.5.3", "0.5.5", "0.5.6", "0.5.7"])
 def test_client_auto_detects_the_scripted_server_of_each_family(family: str) -> None:
     """End to end through Client and its connection's probe exchange."""
     fake = FakeServer(profile=family, engine_driven=False)
@@ -170,4 +175,68 @@ def test_client_auto_detects_the_scripted_server_of_each_family(family: str) -> 
 def test_the_live_server_still_answers_as_recorded(live_server: LiveServer) -> None:
     """The recordings above stay true: the release under test answers the same."""
     (default,) = [c for c in load(SERVER_VERSION, "probe") if c["server"] == "default"]
-    assert record(live_server.url, wait=1.5) == default["replies"]
+    newer = FAMILY[SERVER_VERSION] in ("0.5.6", "0.5.7")  # asked the key-form questions
+    assert record(live_server.url, wait=1.5, newer=newer) == default["replies"]
+
+
+# ------------------------------------------------------- a server newer than the client
+def test_a_release_accepting_neither_key_form_is_refused_with_what_to_do() -> None:
+    """A newer release that answers like 0.5.7 on every harmless question but changed
+    its key (or FREE_LOOKUP_LOCKS) again: refused, never mapped onto 0.5.7 or 0.5.6."""
+    (case,) = load("0.5.7rc2", "probe")
+    future = {**case["replies"], "free_locks_057": None}
+    with pytest.raises(ProtocolMismatch) as err:
+        detect(Replay(future), URL, timeout=0.5, grace=0.05)
+    message = str(err.value)
+    assert "answers like none of the releases" in message
+    assert "FREE_LOOKUP_LOCKS 0.5.6 form -> None; FREE_LOOKUP_LOCKS 0.5.7 form -> None" in message
+    assert "id 32 -> []" in message and "id 11 -> None" in message
+    assert "Upgrade lmcache-mp" in message and "protocol='0.5.7'" in message
+
+
+def test_a_server_accepting_both_key_forms_is_refused() -> None:
+    (case,) = load("0.5.7rc2", "probe")
+    both = {**case["replies"], "free_locks_056": case["replies"]["free_locks_057"]}
+    with pytest.raises(ProtocolMismatch, match="answers like none"):
+        detect(Replay(both), URL, timeout=0.5)
+
+
+def test_an_event_bus_server_is_still_asked_for_its_key_form() -> None:
+    """"kv_event_stream" alone no longer names 0.5.6: a later release may list it too."""
+    (case,) = [c for c in load("0.5.6", "probe") if c["server"] == "event_bus"]
+    future = {**case["replies"], "free_locks_056": None}
+    with pytest.raises(ProtocolMismatch, match="answers like none"):
+        detect(Replay(future), URL, timeout=0.5, grace=0.0)
+
+
+def test_a_late_pool_reply_to_the_key_probe_is_waited_for() -> None:
+    (case,) = load("0.5.7rc2", "probe")
+    replay = Replay(case["replies"], late=frozenset({"free_locks_057"}))
+    assert detect(replay, URL, timeout=0.5, grace=0.1).profile == "0.5.7"
+
+
+class FutureServer(FakeServer):
+    """A scripted ROUTER imitating a release after 0.5.7: it answers every harmless
+    probe as 0.5.7 does, but its key carries the tokens under a field no release this
+    client knows has (so, like a real server, it drops both key forms it is sent)."""
+
+    def __init__(self) -> None:
+        super().__init__(profile="0.5.7", engine_driven=False)
+        self.token_field = "token_words"
+
+
+def test_client_refuses_a_future_release_before_any_data_plane_request() -> None:
+    fake = FutureServer()
+    try:
+        with Client(fake.url, timeout=2) as c:
+            key = CacheKey(model_name="m", world_size=1, worker_id=None,
+                           token_ids=list(range(512)), start=0, end=512, request_id="r")
+            for call in (c.noop, lambda: c.lookup(key)):
+                with pytest.raises(ProtocolMismatch, match="answers like none of the releases"):
+                    call()
+        # Only the probe's own questions reached it (the key probes were dropped, so
+        # not even they were recorded): no NOOP, LOOKUP, STORE or anything else.
+        assert set(fake.ops()) <= {"UNREGISTER_KV_CACHE", "GET_CHUNK_SIZE", "GET_EXPERIMENTAL",
+                                   "PING"}
+    finally:
+        fake.close()

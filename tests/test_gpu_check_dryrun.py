@@ -196,6 +196,8 @@ def test_failed_server_and_hung_side_do_not_stop_the_plan(launch: Any) -> None:
     assert trip["status"] == "FAIL" and "LMCache: FAILED: no result after" in trip["detail"]
     assert run.step("doctor 0.5.6")["status"] == "ok"
     assert run.step("stop 0.5.6")["status"] == "ok"
+    assert run.step("vmm export") == {"name": "vmm export", "status": "skip", "seconds": None,
+                                      "detail": "dry run: needs a GPU (cuMemCreate)"}
     assert run.step("pytest")["status"] == "ok"
     res = run.results("0.5.6")
     assert res["state"] == "done"
@@ -292,3 +294,7 @@ def test_scripts_parse_and_gpu_check_py_refuses_without_a_gpu() -> None:
                           timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert "no GPU here" in proc.stderr and "nothing was run" in proc.stderr
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_vmm_check.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert json.loads(proc.stdout)["skipped"].startswith("no GPU")

@@ -57,11 +57,11 @@ def check_all_ranks_frames(release: str, case: dict[str, Any], op: str, ours: li
     # Everything but the reader count must agree even where the rules part ways.
     a, b = decoded(mine[0]), decoded(theirs[0])
     a.pop("num_kv_readers", None)
-    b.pop("num_kv_readers", None)
+    readers = b.pop("num_kv_readers", None)
     assert (a, mine[1:]) == (b, theirs[1:]), f"{op} key differs beyond num_kv_readers"
     if readers_diverge(release, case):
         pytest.xfail(f"{op}: MLA TP={case['tp']} <= PP={case['pp']}: {release}'s adapter "
-                     f"declares {b} readers; this client's tp_size rule sends fewer "
+                     f"declares {readers} readers; this client's tp_size rule sends fewer "
                      f"(an API question: the key has no MLA flag)")
     raise AssertionError(f"{op} frames differ: {mine} != {theirs}")
 

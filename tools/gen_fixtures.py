@@ -3,8 +3,9 @@
 
     scripts/lmcache-server.sh python --version V -- tools/gen_fixtures.py [--out fixtures]
 
-Works with LMCache 0.5.3, 0.5.4, 0.5.5 and 0.5.6 (0.5.6 has no RequestType enum: its
-ops are method names with a frozen table of legacy ids); writes fixtures/v<V>/.
+Works with LMCache 0.5.3, 0.5.4, 0.5.5, 0.5.6 and 0.5.7rc2 (0.5.6+ has no RequestType
+enum: its ops are method names with a frozen table of legacy ids; 0.5.7 keys carry
+``token_bytes``, packed by its own ``token_codec``); writes fixtures/v<V>/.
 
 For every operation of the engine, controller, debug and observability groups it
 encodes several representative payloads with ``lmcache.v1.multiprocess.mq.msgspec_encode``
@@ -47,9 +48,16 @@ from lmcache.v1.multiprocess.group_view import EngineGroupInfo
 from lmcache.v1.multiprocess.token_hasher import TokenHasher
 
 VERSION = dist_version("lmcache")
-FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}[VERSION]
+FAMILY = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6"}.get(
+    VERSION, "0.5.7" if VERSION.startswith("0.5.7") else VERSION)
+# 0.5.6 and later: method-name operations, msgspec descriptors instead of pickles.
+RPC = FAMILY in ("0.5.6", "0.5.7")
+PACKED = FAMILY == "0.5.7"  # keys carry token_bytes
+if PACKED:
+    from lmcache.v1.multiprocess.custom_types import GroupLayout
+    from lmcache.v1.multiprocess.token_codec import pack_token_ids, unpack_token_ids
 
-if FAMILY == "0.5.6":
+if RPC:
     # 0.5.6: no RequestType enum; ops are method names with frozen legacy ids.
     from lmcache.v1.multiprocess.custom_types import (
         PrepareRetrieveResponse,
@@ -133,7 +141,7 @@ def tag(value: Any) -> Any:
     if isinstance(value, IPCCacheServerKey):
         fields = {
             "model_name": value.model_name, "world_size": value.world_size,
-            "worker_id": value.worker_id, "token_ids": list(value.token_ids),
+            "worker_id": value.worker_id, **token_field(value),
             "start": value.start, "end": value.end, "request_id": value.request_id,
             "cache_salt": value.cache_salt,
         }
@@ -172,6 +180,22 @@ def tag(value: Any) -> Any:
     return value
 
 
+def token_field(k: IPCCacheServerKey) -> dict[str, Any]:
+    """The key's token field as tagged JSON: the id list, or 0.5.7's packed bytes."""
+    if PACKED:
+        return {"token_bytes": {"$bytes": k.token_bytes.hex()}}
+    return {"token_ids": list(k.token_ids)}
+
+
+def tokens_arg(tokens: list[int]) -> dict[str, Any]:
+    """The constructor argument for ``tokens``, packed by the release's own codec."""
+    return {"token_bytes": pack_token_ids(tokens)} if PACKED else {"token_ids": tuple(tokens)}
+
+
+def key_tokens(k: IPCCacheServerKey) -> list[int]:
+    return unpack_token_ids(k.token_bytes) if PACKED else list(k.token_ids)
+
+
 # ------------------------------------------------------------- representative values
 def key(tokens: list[int], *, worker_id: int | None = 0, start: int = 0, end: int | None = None,
         model: str = "m", world_size: int = 1, request_id: str = "r", salt: str = "") -> IPCCacheServerKey:
@@ -180,7 +204,7 @@ def key(tokens: list[int], *, worker_id: int | None = 0, start: int = 0, end: in
         # What LMCache's own adapter sends: one reader, or more for MLA over TP.
         extra["num_kv_readers"] = 1 + (world_size > 1 and worker_id is None)
     return IPCCacheServerKey(
-        model_name=model, world_size=world_size, worker_id=worker_id, token_ids=tuple(tokens),
+        model_name=model, world_size=world_size, worker_id=worker_id, **tokens_arg(tokens),
         start=start, end=len(tokens) if end is None else end, request_id=request_id,
         cache_salt=salt, **extra,
     )
@@ -257,6 +281,9 @@ def payload_sets(op: str) -> list[list[Any]]:
     if op == "RETRIEVE":
         return [[k, INSTANCES[i % 5], BLOCKS[i % 4], EVENTS[i % 4], [0, 16, 255, 4096, 2**40][i]]
                 for i, k in enumerate(wkeys)]
+    if op == "FREE_LOOKUP_LOCKS" and PACKED:  # 0.5.7: extra_ranges (default ())
+        ranges: list[Any] = [(), ((0, 256),), (), ((0, 16), (256, 4096)), ((2**40, 2**40 + 1),)]
+        return [[k, [1, 2, 8, 1, 64][i], ranges[i]] for i, k in enumerate(nkeys)]
     if op in ("LOOKUP", "FREE_LOOKUP_LOCKS"):
         return [[k, [1, 2, 8, 1, 64][i]] for i, k in enumerate(nkeys)]
     if op in ("QUERY_PREFETCH_STATUS", "QUERY_PREFETCH_LOOKUP_HITS", "END_SESSION"):
@@ -269,12 +296,19 @@ def payload_sets(op: str) -> list[list[Any]]:
             [RegisterEngineDrivenContextPayload(2**63 - 1, "模型 ✓", 8, 64, 80, 8192,
                                                 "bfloat16", True)],
             [RegisterEngineDrivenContextPayload(0, "", 1, 1, 1, 1, "float32", False)],
-        ]
+        ] + ([[RegisterEngineDrivenContextPayload(
+            5, "hybrid", 2, 16, 4, 1024, "bfloat16", False, num_physical_slots=64,
+            group_layouts=[GroupLayout(3, 1024, "bfloat16", 16),
+                           GroupLayout(1, 512, "float16", 32, 4096, 1, 2, True)])]]
+            if PACKED else [])
+    if op == "PREPARE_STORE" and PACKED:  # 0.5.7: skipped_chunks (default ())
+        skipped: list[Any] = [(), ((1, 2),), ((), (0,)), (), ((0, 1, 2, 3, 2**33),)]
+        return [[k, INSTANCES[i % 5], skipped[i]] for i, k in enumerate(wkeys)]
     if op in ("PREPARE_STORE", "PREPARE_RETRIEVE", "COMMIT_RETRIEVE"):
         return [[k, INSTANCES[i % 5]] for i, k in enumerate(wkeys)]
     if op == "COMMIT_STORE":
         return [[k, INSTANCES[i % 5], EVENTS[i % 4]] for i, k in enumerate(wkeys)]
-    if op == "CLEAR" and FAMILY == "0.5.6":
+    if op == "CLEAR" and RPC:
         return [[True], [False]]
     if op in ("CLEAR", "GET_CHUNK_SIZE", "GET_EXPERIMENTAL", "NOOP"):
         return [[]]
@@ -415,6 +449,40 @@ def wrapper_cases() -> list[dict[str, Any]]:
         cases.append({"kind": "cuda_ipc", "fields": {
             **common, "alloc_offset": offsets[i], "device_index": device_index},
             "data": checked_serialize(cw).hex()})
+    return cases + (vmm_cases() if RPC else [])
+
+
+def vmm_cases() -> list[dict[str, Any]]:
+    """0.5.6+: ``VmmCudaIPCWrapper`` descriptors (``cuda_vmm``), both kinds, as the
+    release's own ``from_wire`` restores them and its ``Serialize`` writes them (a
+    wrapper's own ``__init__`` needs a GPU; the fd never rides the descriptor)."""
+    from lmcache.v1.platform.base.ipc_wire import TensorMetadata, VmmCudaIPCData
+    from lmcache.v1.platform.devices.cuda.ipc_wrapper import VmmCudaIPCWrapper
+
+    cases = []
+    rows = [("posix_fd", None, torch.bfloat16, (2, 64, 4, 16, 32), 2**21, 0),
+            ("posix_fd", None, torch.float16, (128, 16, 576), 2**30, 2**29 + 4096),
+            ("fabric", bytes(range(64)), torch.float32, (2, 1, 1, 1, 1), 2**21, 512),
+            ("fabric", b"\xff" * 64, torch.float8_e4m3fn, (2, 4096, 8, 16, 128), 2**34, 0)]
+    for i, (kind, blob, dtype, shape, alloc_size, offset) in enumerate(rows):
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        export_id = bytes((i * 17 + j) % 256 for j in range(16))
+        uuid = f"{i:08x}-aaaa-bbbb-cccc-{i * 7919:012x}"
+        meta = TensorMetadata(dtype=str(dtype).removeprefix("torch."), shape=shape,
+                              stride=_contiguous(shape), storage_offset=0, device_uuid=uuid)
+        data = VmmCudaIPCData(version=1, metadata=meta, export_id=export_id, kind=kind,
+                              fabric_blob=blob, alloc_size=alloc_size, alloc_offset=offset,
+                              nbytes=nbytes)
+        wrapper = VmmCudaIPCWrapper.from_wire(data)
+        cases.append({"kind": "cuda_vmm", "fields": {
+            "export_id": export_id.hex(), "vmm_kind": kind,
+            "fabric_blob": None if blob is None else blob.hex(), "alloc_size": alloc_size,
+            "alloc_offset": offset, "nbytes": nbytes, "dtype": meta.dtype,
+            "shape": list(shape), "stride": list(meta.stride), "device_uuid": uuid},
+            "data": checked_serialize(wrapper).hex()})
     return cases
 
 
@@ -460,7 +528,7 @@ def adapter_key(strategy: Any, tokens: list[int], *, worker_id: int | None, star
     if FAMILY != "0.5.3":
         extra["num_kv_readers"] = strategy.num_kv_readers
     return IPCCacheServerKey(model_name=model, world_size=strategy.kv_world_size,
-                             worker_id=worker_id, token_ids=tuple(tokens), start=start,
+                             worker_id=worker_id, **tokens_arg(tokens), start=start,
                              end=end, request_id=request_id, cache_salt=salt, **extra)
 
 
@@ -469,8 +537,8 @@ def object_key_rows(k: IPCCacheServerKey, chunk_size: int) -> list[dict[str, Any
     them: hashes of ``[start, end)``, rolling from token 0), with each one's chunk index
     found in the full hash list."""
     hasher = TokenHasher(chunk_size=chunk_size, hash_algorithm="blake3")
-    every = hasher.compute_chunk_hashes(list(k.token_ids))
-    hashes = hasher.compute_chunk_hashes(list(k.token_ids), start=k.start, end=k.end)
+    every = hasher.compute_chunk_hashes(key_tokens(k))
+    hashes = hasher.compute_chunk_hashes(key_tokens(k), start=k.start, end=k.end)
     return [{"chunk_index": every.index(ok.chunk_hash), "chunk_hash": ok.chunk_hash.hex(),
              "kv_rank": ok.kv_rank, "model_name": ok.model_name, "cache_salt": ok.cache_salt}
             for ok in ipc_key_to_object_keys(k, hashes, [0])[0]]
@@ -520,8 +588,10 @@ def key_cases() -> list[dict[str, Any]]:
                                       msgspec_encode(tp_payload, lookup_cls[1]).hex()],
                            "read_locks": server_read_locks(whole, tp_payload)},
                 "free": {"key": key_plain(free),
+                         # 0.5.7's adapter sends extra_ranges too (here its default)
                          "frames": [msgspec_encode(free, free_cls[0]).hex(),
-                                    msgspec_encode(tp_payload, free_cls[1]).hex()],
+                                    msgspec_encode(tp_payload, free_cls[1]).hex()]
+                         + ([msgspec_encode((), free_cls[2]).hex()] if PACKED else []),
                          "object_keys": object_key_rows(free, chunk)},
                 "transfer": {"key": key_plain(ranged),
                              "frames": [msgspec_encode(ranged, store_cls[0]).hex()],
@@ -557,7 +627,7 @@ def requests_replies_hashes() -> list[tuple[str, list[dict[str, Any]]]]:
     uid_cycle = [5, 0, 2**31, 127]
     for group, ops in GROUPS.items():
         for op in ops:
-            if op == "QUERY_PREFETCH_LOOKUP_HITS" and FAMILY == "0.5.6":
+            if op == "QUERY_PREFETCH_LOOKUP_HITS" and RPC:
                 continue  # retired in 0.5.6
             classes = payload_classes(op)
             for n, payloads in enumerate(payload_sets(op)):

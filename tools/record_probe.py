@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Record how real LMCache servers answer the protocol probe (run with the .venv python).
 
-    .venv/bin/python tools/record_probe.py [--versions 0.5.3 0.5.4 0.5.5 0.5.6]
+    .venv/bin/python tools/record_probe.py [--versions 0.5.3 0.5.4 0.5.5 0.5.6 0.5.7rc2]
 
 For each release it starts a server from the oracle venv (scripts/lmcache-server.sh, as
 the live tests do), asks the probe's questions (tests/probe_replay.py:record) and writes
 the reply frames, as the server encoded them, to fixtures/v<release>/probe.json. 0.5.6
 is recorded twice: as the script starts it (observability off) and with its event bus
-on, when GET_EXPERIMENTAL also lists "kv_event_stream". tests/test_detect.py replays
+on, when GET_EXPERIMENTAL also lists "kv_event_stream". 0.5.6 and later are also asked
+the questions detection sends only to them (FREE_LOOKUP_LOCKS of an empty range in the
+0.5.6 and the 0.5.7 form). tests/test_detect.py replays
 these answers offline; a live test checks each release still answers the same.
 """
 
@@ -35,13 +37,17 @@ QUIET = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_
          "OMP_NUM_THREADS": "1"}
 
 
+def newer(version: str) -> bool:
+    return version not in ("0.5.3", "0.5.4", "0.5.5")
+
+
 def with_script(version: str) -> dict[str, object]:
     port = free_port()
     subprocess.run([str(SCRIPT), "start", "--version", version, "--port", str(port)],
                    check=True, capture_output=True)
     try:
         return {"server": "default", "args": "scripts/lmcache-server.sh start (observability off)",
-                "replies": record(f"tcp://127.0.0.1:{port}")}
+                "replies": record(f"tcp://127.0.0.1:{port}", newer=newer(version))}
     finally:
         subprocess.run([str(SCRIPT), "stop", "--port", str(port)], capture_output=True)
 
@@ -67,7 +73,7 @@ def with_event_bus(version: str) -> dict[str, object]:
                 break
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the server did not start; see {log_path}")
-        answers = record(url)
+        answers = record(url, newer=newer(version))
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
@@ -78,7 +84,8 @@ def with_event_bus(version: str) -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--versions", nargs="+", default=["0.5.3", "0.5.4", "0.5.5", "0.5.6"])
+    ap.add_argument("--versions", nargs="+",
+                    default=["0.5.3", "0.5.4", "0.5.5", "0.5.6", "0.5.7rc2"])
     ap.add_argument("--out", default=str(REPO / "fixtures"))
     args = ap.parse_args()
     for version in args.versions:

@@ -125,7 +125,27 @@ class CudaLayerExport:
     form: Literal["auto", "raw", "torch_ipc"] = "auto"
 
 
-LayerExport = ShmLayerExport | CudaLayerExport
+@dataclass(frozen=True)
+class VmmLayerExport:
+    """One layer tensor in CUDA VMM memory (``cuMemCreate``), exported with
+    ``cuMemExportToShareableHandle`` (see :mod:`lmcache_mp.ipc.cuda.vmm`): the fields of
+    LMCache's ``cuda_vmm`` descriptor. The fd of a ``posix_fd`` export is process-local
+    and never part of the record; the cache that exported it holds and closes it."""
+
+    export_id: bytes  # 16 bytes
+    kind: Literal["posix_fd", "fabric"]
+    fabric_blob: bytes | None
+    alloc_size: int  # the physical chunk
+    alloc_offset: int  # where the layer starts in it
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    device_index: int
+    device_uuid: str
+
+
+LayerExport = ShmLayerExport | CudaLayerExport | VmmLayerExport
 
 
 @runtime_checkable

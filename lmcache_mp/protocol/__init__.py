@@ -6,7 +6,7 @@ Nothing in this package opens a socket; see :mod:`lmcache_mp.transport` for that
 from __future__ import annotations
 
 from ..errors import ProtocolMismatch
-from . import v0_5_3, v0_5_5, v0_5_6
+from . import v0_5_3, v0_5_5, v0_5_6, v0_5_7
 from .codec import decode_reply, encode_request
 from .operations import Operation, Payload, Profile
 
@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 PROFILES: dict[str, Profile] = {
-    p.name: p for p in (v0_5_3.PROFILE, v0_5_5.PROFILE, v0_5_6.PROFILE)
+    p.name: p for p in (v0_5_3.PROFILE, v0_5_5.PROFILE, v0_5_6.PROFILE, v0_5_7.PROFILE)
 }
 # Releases that share a family's wire format map to that family.
 _RELEASE_TO_PROFILE = {rel: p.name for p in PROFILES.values() for rel in p.releases}

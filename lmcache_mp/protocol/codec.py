@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from ..errors import InvalidArgument, ProtocolMismatch
-from .operations import Operation
+from .operations import NO_DEFAULT, Operation
 from .types import WrapperBlob
 
 __all__ = ["encode_request", "decode_reply", "encode_value"]
@@ -36,6 +36,9 @@ encode_value = _ENCODER.encode
 def encode_request(op: Operation, payloads: Sequence[Any]) -> list[bytes]:
     """Frames ``[type, *payloads]`` for ``op``; raises InvalidArgument before sending."""
     specs = op.payloads
+    given = len(payloads)
+    if given < len(specs) and all(s.default is not NO_DEFAULT for s in specs[given:]):
+        payloads = (*payloads, *(s.default for s in specs[given:]))
     if len(payloads) != len(specs):
         names = ", ".join(p.name for p in specs) or "no payload"
         raise InvalidArgument(

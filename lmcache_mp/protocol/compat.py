@@ -44,9 +44,19 @@ def compatibility_table() -> str:
         ("key fields", [str(len(p.key_type.__struct_fields__)) for p in profiles]),
         ("num_kv_readers in the key", [_yes("num_kv_readers" in p.key_type.__struct_fields__)
                                        for p in profiles]),
+        ("token ids in the key", ["`token_bytes` (packed big-endian uint32)"
+                                  if "token_bytes" in p.key_type.__struct_fields__
+                                  else "`token_ids` (list of ints)" for p in profiles]),
+        ("FREE_LOOKUP_LOCKS / PREPARE_STORE payloads",
+         [f"{len(p.op('FREE_LOOKUP_LOCKS').payloads)} / {len(p.op('PREPARE_STORE').payloads)}"
+          for p in profiles]),
         ("KV-cache wrapper format", [_wrapper_format(p) for p in profiles]),
         ("CUDA wrapper forms", [", ".join(f"`{f}`" for f in p.wrappers.cuda)
                                 for p in profiles]),
+        ("CUDA VMM memory (`cuda_vmm`)", [
+            "no" if p.wrappers.vmm is None else
+            "kinds: " + ", ".join(p.wrappers.vmm_kinds) + " (no server receives a POSIX fd)"
+            for p in profiles]),
     ]
     head = "| feature | " + " | ".join(f"`{p.name}` profile" for p in profiles) + " |"
     sep = "|---|" + "---|" * len(profiles)

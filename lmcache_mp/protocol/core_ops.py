@@ -34,7 +34,11 @@ def core_operations(
     get_experimental_id: int,
     clear_takes_force: bool,
     has_lookup_hits: bool,
+    defaulted_tails: bool = False,
 ) -> tuple[Operation, ...]:
+    """``defaulted_tails`` (0.5.7+): FREE_LOOKUP_LOCKS gains ``extra_ranges`` and
+    PREPARE_STORE ``skipped_chunks``, both defaulting to ``()``; the server requires
+    the frame even when empty, so a 0.5.6-shaped request is dropped."""
     KEY = Payload("key", key_type)
     INSTANCE_ID = Payload("instance_id", WireInt)
     BLOCK_IDS = Payload("block_ids", list[list[BlockId]])
@@ -51,6 +55,12 @@ def core_operations(
         Payload("engine_group_infos", list[group_info_type]),
     )
     transfer_reply = tuple[bytes, bool]
+    # (start, end) token ranges of earlier abandoned lookups whose locks to free too.
+    free_tail = (Payload("extra_ranges", tuple[tuple[WireInt, WireInt], ...], default=()),
+                 ) if defaulted_tails else ()
+    # Per KV group, chunk positions the worker will not store (no slot reserved).
+    prepare_tail = (Payload("skipped_chunks", tuple[tuple[WireInt, ...], ...], default=()),
+                    ) if defaulted_tails else ()
 
     ops = [
         # --- engine group ---------------------------------------------------
@@ -71,14 +81,15 @@ def core_operations(
                   reply_optional=True),
         Operation("WAIT_PREFETCH_STATUS", 10, (REQUEST_ID, Payload("timeout", float)), int,
                   "blocking", "engine", reply_optional=True),
-        Operation("FREE_LOOKUP_LOCKS", 12, (KEY, TP_SIZE), None, "blocking", "engine"),
+        Operation("FREE_LOOKUP_LOCKS", 12, (KEY, TP_SIZE, *free_tail), None, "blocking",
+                  "engine"),
         Operation("END_SESSION", 13, (REQUEST_ID,), None, "blocking", "engine"),
         Operation("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", 14,
                   (Payload("payload", engine_driven_payload_type),),
                   RegisterEngineDrivenContextResponse, "sync", "engine"),
         Operation("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", 15, (INSTANCE_ID,), None,
                   "sync", "engine"),
-        Operation("PREPARE_STORE", 16, (KEY, INSTANCE_ID), PrepareStoreResponse,
+        Operation("PREPARE_STORE", 16, (KEY, INSTANCE_ID, *prepare_tail), PrepareStoreResponse,
                   "blocking", "engine"),
         Operation("COMMIT_STORE", 17, (KEY, INSTANCE_ID, Payload("cpu_data", bytes)), bool,
                   "blocking", "engine"),

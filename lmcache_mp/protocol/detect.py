@@ -4,7 +4,7 @@ Sans-I/O: :func:`detect` decides what to send and how to read the answers; the c
 supplies ``exchange(batch)``, which sends a batch of ``(name, frames)`` requests in order
 on one connection and returns ``{name: reply frames (after the uid) or None}``.
 
-The probe follows lmcache-mp-versions.md section 7, with two refinements:
+The probe follows lmcache-mp-versions.md section 7, with three refinements:
 
 * only integer op ids <= 32 (valid on every release from 0.4.7), every message at least
   ``[uid, op]``, and never ids 16, 17 or 20 with an empty payload (CLEAR somewhere);
@@ -13,7 +13,14 @@ The probe follows lmcache-mp-versions.md section 7, with two refinements:
   after a probe is answered only after that probe was handled: once the fence's reply
   is in, a missing reply means "no handler", not "slow". A 0.5.3 server is thus
   identified in one round trip instead of a 1.5 s timeout. Pool-run probes (id 11)
-  are fenced by a PING on the same pool, plus a short grace for multi-worker pools.
+  are fenced by a PING on the same pool, plus a short grace for multi-worker pools;
+* **a positive fingerprint past 0.5.5.** The document's step 3 ("kv_event_stream" ->
+  0.5.6+) no longer names a release: 0.5.7rc2 dropped that tag, and a later release may
+  keep or add it. So a server that looks like 0.5.6 or later is asked which cache key
+  it accepts (FREE_LOOKUP_LOCKS of an empty range: a no-op in both releases, decoded on
+  the message thread, so a wrong form is dropped before the fence). It must accept
+  exactly one of our forms; a server accepting neither is a release this client does
+  not know, refused with ProtocolMismatch before any data-plane request is sent.
 """
 
 from __future__ import annotations
@@ -21,10 +28,13 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from ..errors import ProtocolMismatch, RequestTimeout
+from .v0_5_5 import CacheKeyV055
+from .v0_5_7 import CacheKeyV057
 
 __all__ = ["Detection", "detect", "Exchange"]
 
@@ -39,6 +49,12 @@ _enc = msgspec.msgpack.encode
 #   32 GET_EXPERIMENTAL from 0.5.5 (an unregistered blend op in 0.5.3/0.5.4)
 #   11 QUERY_PREFETCH_LOOKUP_HITS up to 0.5.5 (retired in 0.5.6)
 #   22 PING from 0.5.3 (NORMAL pool, like id 11)
+#   12 FREE_LOOKUP_LOCKS, only once a server is known to be 0.5.6 or later: of an empty
+#      token range, which both 0.5.6 and 0.5.7 return from before touching any state
+#      (modules/lookup.py: ``if key.start >= key.end: return``)
+
+#: What the client speaks, for messages.
+SPOKEN = "0.5.3, 0.5.4, 0.5.5, 0.5.6 and 0.5.7 (0.5.7rc2)"
 
 
 @dataclass(frozen=True)
@@ -86,19 +102,19 @@ def detect(exchange: Exchange, url: str, timeout: float = 2.0, grace: float = 0.
     if v21 == "OK":
         raise ProtocolMismatch(
             f"the server at {url} is LMCache 0.5.0 (id 21 answered NOOP's 'OK'); this client "
-            f"speaks 0.5.3, 0.5.4, 0.5.5 and 0.5.6: upgrade the server"
+            f"speaks {SPOKEN}: upgrade the server"
         )
     if not isinstance(v21, int) or isinstance(v21, bool):
         raise ProtocolMismatch(
             f"the server at {url} did not answer GET_CHUNK_SIZE (id 21 -> {v21!r}): an LMCache "
-            f"release older than 0.5.0, or not LMCache; this client speaks 0.5.3-0.5.6"
+            f"release older than 0.5.0, or not LMCache; this client speaks {SPOKEN}"
         )
     if v32 is None:
         return Detection("0.5.3", "0.5.3/0.5.4", tuple(evidence))
     if not isinstance(v32, list):
         raise ProtocolMismatch(f"unexpected reply to id 32 from {url}: {v32!r}")
-    if "kv_event_stream" in v32:
-        return Detection("0.5.6", "0.5.6", tuple(evidence))
+    if "kv_event_stream" in v32:  # 0.5.6 with its event bus; 0.5.7 dropped the tag
+        return _newer_than_055(exchange, url, timeout, grace, evidence)
     second = exchange(
         [("id11", [_enc(11), _enc(f"lmcache-mp-probe-{secrets.token_hex(6)}")]),
          ("ping", [_enc(22), _enc(None)])],
@@ -111,7 +127,50 @@ def detect(exchange: Exchange, url: str, timeout: float = 2.0, grace: float = 0.
         v11 = _value(exchange([], "id11", grace).get("id11"))
     evidence.append(f"id 11 -> {v11!r}")
     if v11 is None:
-        return Detection("0.5.6", "0.5.6", tuple(evidence))
+        return _newer_than_055(exchange, url, timeout, grace, evidence)
     if isinstance(v11, int):
         return Detection("0.5.5", "0.5.5", tuple(evidence))
     raise ProtocolMismatch(f"unexpected reply to id 11 from {url}: {v11!r}")
+
+
+def _free_locks_probe(form: str) -> list[bytes]:
+    """FREE_LOOKUP_LOCKS of an empty range, in the 0.5.6 or the 0.5.7 form: each
+    release decodes (on its message thread) and answers only its own form, and drops
+    the other (0.5.7 keys carry ``token_bytes``, and a third payload ``extra_ranges``)."""
+    common: dict[str, Any] = {"model_name": "lmcache-mp-probe", "world_size": 1, "worker_id": None,
+              "start": 0, "end": 0, "request_id": f"lmcache-mp-probe-{secrets.token_hex(6)}",
+              "num_kv_readers": 1}
+    if form == "0.5.6":
+        return [_enc(12), _enc(CacheKeyV055(token_ids=(), **common)), _enc(1)]
+    return [_enc(12), _enc(CacheKeyV057(token_bytes=b"", **common)), _enc(1), _enc(())]
+
+
+def _newer_than_055(exchange: Exchange, url: str, timeout: float, grace: float,
+                    evidence: list[str]) -> Detection:
+    """Tell 0.5.6 from 0.5.7 by which key form the server accepts, and refuse a server
+    that accepts neither (a newer release) before anything else is sent to it."""
+    replies = exchange(
+        [("free056", _free_locks_probe("0.5.6")), ("free057", _free_locks_probe("0.5.7")),
+         ("ping2", [_enc(22), _enc(None)])],
+        "ping2", timeout,
+    )
+    if replies.get("ping2") is None:
+        raise RequestTimeout(f"the server at {url} stopped answering during detection (PING)")
+    if replies.get("free056") is None and replies.get("free057") is None and grace > 0:
+        # Both were decoded (or dropped) before the PING; an accepted one may still be
+        # running on another worker of the same pool.
+        replies = exchange([], "free057", grace)
+    a56, a57 = replies.get("free056") is not None, replies.get("free057") is not None
+    evidence.append(f"FREE_LOOKUP_LOCKS 0.5.6 form -> {'ack' if a56 else None}")
+    evidence.append(f"FREE_LOOKUP_LOCKS 0.5.7 form -> {'ack' if a57 else None}")
+    if a57 and not a56:
+        return Detection("0.5.7", "0.5.7", tuple(evidence))
+    if a56 and not a57:
+        return Detection("0.5.6", "0.5.6", tuple(evidence))
+    raise ProtocolMismatch(
+        f"the LMCache server at {url} answers like none of the releases this client speaks "
+        f"({SPOKEN}): {'; '.join(evidence)}. It is likely a newer LMCache release whose "
+        f"wire format changed (its cache key, or FREE_LOOKUP_LOCKS's payloads); nothing else "
+        f"was sent to it. Upgrade lmcache-mp, or, only if you know that release is "
+        f"wire-compatible with one this client speaks, pin it: protocol='0.5.7'."
+    )

@@ -16,7 +16,10 @@ import msgspec
 from ..ipc.base import KVLayout, LayerExport
 from .wrappers import WrapperFormats
 
-__all__ = ["Payload", "Operation", "Profile", "KeyBuilder", "kv_readers"]
+__all__ = ["Payload", "Operation", "Profile", "KeyBuilder", "kv_readers", "NO_DEFAULT"]
+
+#: Marks a payload the caller must always give.
+NO_DEFAULT: Any = object()
 
 Group = Literal["engine", "controller", "debug", "observability"]
 HandlerKind = Literal["sync", "blocking"]
@@ -33,6 +36,10 @@ class Payload:
 
     name: str
     type: Any
+    # A trailing payload with a default may be left out by the caller; the encoder
+    # sends the default, as LMCache's own client does (``bind_payloads`` applies the
+    # defaults: its server requires every payload frame, defaulted ones included).
+    default: Any = NO_DEFAULT
     validate: Callable[[Any], Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -88,6 +88,8 @@ class RegisterEngineDrivenContextResponse(msgspec.Struct, frozen=True):
 
     shm_name: str = ""
     pool_size: int = 0
+    # 0.5.7+: the engine block id the server treats as absent KV (older servers: 0).
+    null_block_id: int = 0
 
 
 class PoolSlot(msgspec.Struct, frozen=True):

@@ -10,9 +10,16 @@ family      CPU SHM layer               CUDA layer (``form``; the default first)
                                         ``raw``: pickled 0.5.3 RawCudaIPCWrapper
 0.5.5       same pickle                 ``raw``: 0.5.5 RawCudaIPCWrapper pickle;
                                         ``torch_ipc``: pickled CudaIPCWrapper
-0.5.6       ``cpu_shm`` descriptor      ``raw``: ``cuda_raw`` descriptor;
-                                        ``torch_ipc``: ``cuda`` descriptor
+0.5.6,      ``cpu_shm`` descriptor      ``raw``: ``cuda_raw`` descriptor;
+0.5.7                                   ``torch_ipc``: ``cuda`` descriptor;
+                                        VMM memory: ``cuda_vmm`` descriptor (fabric)
 ==========  ==========================  =============================================
+
+VMM memory (:mod:`lmcache_mp.ipc.cuda.vmm`) has no legacy handle: only the descriptor
+families open it, and only as a fabric handle. A ``posix_fd`` export needs the fd
+handed to the server out of band, which no release up to 0.5.7rc2 can receive (its
+``set_vmm_fd_resolver`` is never installed: the fd transport is not in the package), so
+it is refused here rather than left to fail on the server.
 
 ``torch_ipc`` is torch's ``UntypedStorage._share_cuda_()`` 8-tuple built without
 torch; the server opens it with ``torch.UntypedStorage._new_shared_cuda`` (torch only,
@@ -36,7 +43,7 @@ from typing import Literal
 import msgspec
 
 from ..errors import InvalidArgument, ProtocolMismatch
-from ..ipc.base import CudaLayerExport, LayerExport, ShmLayerExport
+from ..ipc.base import CudaLayerExport, LayerExport, ShmLayerExport, VmmLayerExport
 from .types import WrapperBlob
 
 __all__ = [
@@ -47,6 +54,7 @@ __all__ = [
     "cpu_shm_descriptor",
     "cuda_raw_descriptor",
     "cuda_torch_descriptor",
+    "vmm_descriptor",
     "torch_storage_handle",
 ]
 
@@ -155,6 +163,15 @@ class _CudaIPCData(_IPCData, tag="cuda"):
     handle: tuple[int, bytes, int, int, bytes, int, bytes, bool]
 
 
+class _VmmCudaIPCData(_IPCData, tag="cuda_vmm"):
+    export_id: bytes
+    kind: Literal["posix_fd", "fabric"]
+    fabric_blob: bytes | None
+    alloc_size: int
+    alloc_offset: int
+    nbytes: int
+
+
 def _metadata(dtype: str, shape: Sequence[int], stride: Sequence[int],
               device_uuid: str) -> _TensorMetadata:
     from ..pickle_emitter import TORCH_DTYPES
@@ -195,6 +212,21 @@ def cuda_torch_descriptor(rec: CudaLayerExport) -> bytes:
         handle=torch_storage_handle(rec)))
 
 
+def vmm_descriptor(rec: VmmLayerExport) -> bytes:
+    """0.5.6+'s ``cuda_vmm`` descriptor (``VmmCudaIPCData``): the export id, kind and
+    fabric blob, the physical chunk's size and the view's place in it; never the fd."""
+    if len(rec.export_id) != 16:
+        raise InvalidArgument("a VMM export id is exactly 16 bytes")
+    if (rec.kind == "fabric") != (rec.fabric_blob is not None):
+        raise InvalidArgument("a fabric blob goes with kind 'fabric' only")
+    if rec.alloc_offset + rec.nbytes > rec.alloc_size:
+        raise InvalidArgument("the VMM view runs past its chunk")
+    return msgspec.msgpack.encode(_VmmCudaIPCData(
+        version=1, metadata=_metadata(rec.dtype, rec.shape, rec.stride, rec.device_uuid),
+        export_id=rec.export_id, kind=rec.kind, fabric_blob=rec.fabric_blob,
+        alloc_size=rec.alloc_size, alloc_offset=rec.alloc_offset, nbytes=rec.nbytes))
+
+
 def descriptor_cpu_shm(rec: ShmLayerExport) -> WrapperBlob:
     return WrapperBlob(cpu_shm_descriptor(rec.shm_name, rec.nbytes, rec.dtype, rec.shape,
                                           rec.stride))
@@ -223,6 +255,28 @@ class WrapperFormats:
     default_cuda_form: str  # what a cache asking for "auto" gets
     # form -> what the server needs to open it (lmcache-mp doctor prints these)
     cuda_notes: Mapping[str, str] = field(default_factory=dict)
+    # VMM exports (None: the family cannot open VMM memory), and the kinds it receives
+    vmm: Callable[[VmmLayerExport], bytes] | None = None
+    vmm_kinds: tuple[str, ...] = ()
+
+    def encode_vmm(self, rec: VmmLayerExport, family: str) -> WrapperBlob:
+        if self.vmm is None:
+            raise ProtocolMismatch(
+                f"LMCache {family} servers cannot open CUDA VMM memory (cuMemCreate: "
+                f"expandable segments, cumem allocators); the cuda_vmm descriptor arrived "
+                f"in 0.5.6. Upgrade the server, or allocate the KV cache without VMM "
+                f"(CudaKVCache.allocate, or PYTORCH_CUDA_ALLOC_CONF without "
+                f"expandable_segments)")
+        if rec.kind not in self.vmm_kinds:
+            raise ProtocolMismatch(
+                f"this VMM allocation can only be exported as a POSIX file descriptor, and "
+                f"LMCache {family} servers cannot receive one: their cuda_vmm receiver asks "
+                f"set_vmm_fd_resolver() for the fd, which nothing in the release installs "
+                f"(no fd-passing socket ships with it), so the server could not map the "
+                f"layer. Create the memory fabric-exportable (CU_MEM_HANDLE_TYPE_FABRIC, "
+                f"with an IMEX channel), or without VMM (CudaKVCache.allocate, or "
+                f"PYTORCH_CUDA_ALLOC_CONF without expandable_segments)")
+        return WrapperBlob(self.vmm(rec))
 
     def resolve_form(self, form: str, family: str) -> str:
         """The form ``form`` stands for ("auto": the default); ProtocolMismatch if this
@@ -244,6 +298,8 @@ class WrapperFormats:
                 out.append(self.cpu_shm(rec))
             elif isinstance(rec, CudaLayerExport):
                 out.append(self.cuda[self.resolve_form(rec.form, family)](rec))
+            elif isinstance(rec, VmmLayerExport):
+                out.append(self.encode_vmm(rec, family))
             else:
                 raise InvalidArgument(f"unknown layer export {type(rec).__name__}")
         return out
@@ -268,4 +324,5 @@ DESCRIPTOR_V056 = WrapperFormats(
     "msgpack descriptor", descriptor_cpu_shm,
     {"raw": descriptor_cuda_raw, "torch_ipc": descriptor_cuda_torch}, "raw",
     {"raw": "`cuda_raw` descriptor: " + _RAW_NOTE + "; carries the offset)",
-     "torch_ipc": "`cuda` descriptor: " + _TORCH_IPC_NOTE})
+     "torch_ipc": "`cuda` descriptor: " + _TORCH_IPC_NOTE},
+    vmm=vmm_descriptor, vmm_kinds=("fabric",))

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from ...checks import one_of, positive_int
 from ...errors import InvalidArgument
-from ..base import STORAGE_DTYPES, CudaLayerExport, KVGeometry, KVLayout, LayerExport
+from ..base import STORAGE_DTYPES, CudaLayerExport, KVGeometry, KVLayout, LayerExport, VmmLayerExport
 from .driver import CudaDriver, get_driver
 from .export import (
     CudaArrayView,
@@ -184,13 +184,22 @@ class CudaKVCache:
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
         with on_device(drv, device):
-            exports = []
+            exports: list[ExportedAllocation] = []
             for i, ptr in enumerate(ptrs):
                 try:
                     exp = export_allocation(ptr, geometry.layer_nbytes, driver=drv,
-                                            allow_offset=True)
+                                            allow_offset=True, vmm=True)
                 except InvalidArgument as exc:
+                    for done in exports:  # close the fds exported so far
+                        if done.vmm is not None:
+                            done.vmm.close()
                     raise InvalidArgument(f"layer {i}: {exc}") from None
+                if exp.vmm is not None and wrapper != "auto":
+                    exp.vmm.close()
+                    raise InvalidArgument(
+                        f"layer {i} is CUDA VMM memory, which the {wrapper!r} form (a "
+                        f"cudaIpcMemHandle_t) cannot carry: use wrapper='auto' (LMCache's "
+                        f"cuda_vmm descriptor)")
                 if exp.device != device:
                     raise InvalidArgument(
                         f"layer {i} is on device {exp.device}, not device {device}: pass "
@@ -278,6 +287,12 @@ class CudaKVCache:
                             dtype=g.dtype, shape=g.layer_shape, stride=g.layer_strides,
                             device_index=self.device, device_uuid=self.device_uuid,
                             form=self.wrapper_format)
+            if e.vmm is None else
+            VmmLayerExport(export_id=e.vmm.export_id, kind=e.vmm.kind,
+                           fabric_blob=e.vmm.fabric_blob, alloc_size=e.vmm.alloc_size,
+                           alloc_offset=e.vmm.alloc_offset, nbytes=g.layer_nbytes,
+                           dtype=g.dtype, shape=g.layer_shape, stride=g.layer_strides,
+                           device_index=self.device, device_uuid=self.device_uuid)
             for e in self._exports
         ]
 
@@ -364,6 +379,9 @@ class CudaKVCache:
         self._torch_layers = None
         self._owners = []
         self._closed = True
+        for e in self._exports:  # VMM exports: their fds
+            if e.vmm is not None:
+                e.vmm.close()
 
     def __enter__(self) -> CudaKVCache:
         return self

@@ -366,6 +366,26 @@ class CudaBindingsDriver:
     def stream_synchronize(self, stream: int) -> None:
         self._rt_call("cudaStreamSynchronize", stream)
 
+    # -- CUDA VMM (cuMemCreate) allocations; see .vmm
+    def vmm_retain(self, ptr: int) -> Any:
+        """The allocation handle of the VMM chunk holding ``ptr`` (one more reference:
+        :meth:`vmm_release` it)."""
+        return self._cu_call("cuMemRetainAllocationHandle", ptr)[0]
+
+    def vmm_handle_types(self, handle: Any) -> int:
+        """``requestedHandleTypes``: the shareable forms fixed at cuMemCreate time."""
+        (prop,) = self._cu_call("cuMemGetAllocationPropertiesFromHandle", handle)
+        return int(prop.requestedHandleTypes)
+
+    def vmm_export(self, handle: Any, handle_type: int) -> int | bytes:
+        """cuMemExportToShareableHandle: a POSIX fd (ours to close) or a fabric blob."""
+        kind = self._cu.CUmemAllocationHandleType(handle_type)
+        (value,) = self._cu_call("cuMemExportToShareableHandle", handle, kind, 0)
+        return bytes(value.data) if hasattr(value, "data") else int(value)
+
+    def vmm_release(self, handle: Any) -> None:
+        self._cu_call("cuMemRelease", handle)
+
 
 _driver_lock = threading.Lock()
 _default_driver: CudaDriver | None = None

@@ -30,6 +30,7 @@ from .driver import (
     UnsupportedServerEvent,
     get_driver,
 )
+from .vmm import VmmShare, export_vmm
 
 __all__ = [
     "ExportedAllocation",
@@ -122,10 +123,16 @@ class ExportedAllocation:
     base: int
     size: int
     device: int
+    # VMM memory: its export instead of a legacy handle (``handle`` is then empty).
+    vmm: VmmShare | None = None
 
     @property
     def offset(self) -> int:
         return self.ptr - self.base
+
+
+_VMM_HINT = (" (CudaKVCache.from_pointers / from_torch export VMM memory with "
+             "cuMemExportToShareableHandle instead, for LMCache 0.5.6+)")
 
 
 def _not_ipc_capable_reason(driver: CudaDriver, ptr: int) -> str:
@@ -140,14 +147,17 @@ def _not_ipc_capable_reason(driver: CudaDriver, ptr: int) -> str:
 
 
 def export_allocation(
-    ptr: int, nbytes: int, *, allow_offset: bool = False, driver: CudaDriver | None = None
+    ptr: int, nbytes: int, *, allow_offset: bool = False, driver: CudaDriver | None = None,
+    vmm: bool = False,
 ) -> ExportedAllocation:
     """Export the ``nbytes`` at device pointer ``ptr`` with ``cudaIpcGetMemHandle``.
 
     The calling thread needs a current CUDA context (the device's primary context:
     ``cudaSetDevice`` / ``torch.cuda.set_device``). Refuses memory that legacy CUDA IPC
     cannot share (VMM, memory pools, managed or host memory) and, unless
-    ``allow_offset``, pointers that are not the base of their allocation.
+    ``allow_offset``, pointers that are not the base of their allocation. With ``vmm``,
+    VMM memory is exported with ``cuMemExportToShareableHandle`` instead (see
+    :mod:`.vmm`; it always carries the offset).
     """
     drv = driver if driver is not None else get_driver()
     positive_int("ptr (a device address)", ptr)
@@ -169,12 +179,19 @@ def export_allocation(
     # 0 = not shareable by cudaIpcGetMemHandle; None = the driver cannot tell (old
     # drivers), then cudaIpcGetMemHandle itself decides. Pool memory is checked on its
     # own as well: cudaIpcGetMemHandle never exports cudaMallocAsync allocations.
-    if drv.pointer_attribute(ptr, "IS_LEGACY_CUDA_IPC_CAPABLE") == 0 or drv.pointer_attribute(
-            ptr, "MEMPOOL_HANDLE"):
+    legacy = drv.pointer_attribute(ptr, "IS_LEGACY_CUDA_IPC_CAPABLE")
+    pool = drv.pointer_attribute(ptr, "MEMPOOL_HANDLE")
+    if vmm and legacy == 0 and not pool and not drv.pointer_attribute(ptr, "IS_MANAGED"):
+        share, base, size = export_vmm(drv, ptr, nbytes)  # type: ignore[arg-type]
+        device = drv.pointer_device(ptr)
+        return ExportedAllocation(b"", ptr, base, size,
+                                  drv.get_device() if device is None else device, share)
+    if legacy == 0 or pool:
         raise InvalidArgument(
             f"the memory at 0x{ptr:x} cannot be exported with cudaIpcGetMemHandle: "
             f"{_not_ipc_capable_reason(drv, ptr)}. Allocate the KV cache with "
-            f"CudaKVCache.allocate (plain cudaMalloc), or turn that allocator setting off")
+            f"CudaKVCache.allocate (plain cudaMalloc), or turn that allocator setting off"
+            f"{'' if pool or vmm else _VMM_HINT}")
     base, size = drv.address_range(ptr)
     offset = ptr - base
     if offset and not allow_offset:
