@@ -57,11 +57,16 @@ class KVGeometry:
     head_dim: int
     dtype: str
     mla: bool
+    #: Axis order of the 5-D layers (ignored for MLA). Last, with a default, so the
+    #: seven-field positional form keeps meaning HND.
+    layout: KVLayout = "HND"
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
         if self.mla:
             return (self.num_blocks, self.block_size, self.head_dim)
+        if self.layout == "NHD":
+            return (2, self.num_blocks, self.block_size, self.num_heads, self.head_dim)
         return (2, self.num_blocks, self.num_heads, self.block_size, self.head_dim)
 
     @property

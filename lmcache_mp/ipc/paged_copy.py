@@ -45,7 +45,7 @@ def _chunk_view(obj: np.ndarray, layer: int, g: KVGeometry, nblocks: int) -> np.
 
 def _paged_view(layer: np.ndarray, g: KVGeometry) -> np.ndarray:
     """A paged layer with tokens before heads, matching ``_chunk_view`` (a view)."""
-    return layer if g.mla else layer.transpose(0, 1, 3, 2, 4)
+    return layer if g.mla or g.layout == "NHD" else layer.transpose(0, 1, 3, 2, 4)
 
 
 def gather_chunk(
