@@ -21,15 +21,15 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ..checks import is_int, one_of, positive_int
 from ..errors import InvalidArgument
 from .base import STORAGE_DTYPES, KVGeometry, KVLayout, LayerExport, ShmLayerExport
-from .host_arrays import host_layers
 from .shm import SHM_DIR, ShmSegment, shm_free_bytes, sweep_dead_segments
+
+if TYPE_CHECKING:  # numpy is imported on first use: import lmcache_mp stays light
+    import numpy as np
 
 __all__ = ["CpuKVCache", "KVGeometry", "STORAGE_DTYPES", "MAX_LAYERS"]
 
@@ -56,8 +56,10 @@ class CpuKVCache:
         #: True for :meth:`wrap`: memory the server cannot map (engine-driven only).
         self.wrapped = layers is not None
         if layers is None:
+            import numpy as np
+
             np_dtype = STORAGE_DTYPES[geometry.dtype][0]
-            count = int(np.prod(geometry.layer_shape))
+            count = math.prod(geometry.layer_shape)
             layers = [np.frombuffer(seg.buffer, dtype=np_dtype, count=count).reshape(
                 geometry.layer_shape) for seg in segments]
         self.layers: list[np.ndarray] = layers
@@ -146,6 +148,8 @@ class CpuKVCache:
         LMCache-driven mode the server maps the cache itself, which needs
         :meth:`allocate`'s shared memory. Closing drops the references; the memory
         stays the caller's."""
+        from .host_arrays import host_layers
+
         geometry, views, tensors = host_layers(layers, layout, block_size, dtype)
         return cls(geometry, [], views, tensors)
 
