@@ -68,6 +68,7 @@ class CopyWorkers:
         self._job: _Job | None = None
         self._generation = 0
         self._closed = False
+        self._pid = os.getpid()
 
     def run(self, tasks: Sequence[Any], run: Callable[[Any], None]) -> None:
         """``run(task)`` for every task, spread over the threads; returns when all are
@@ -91,6 +92,10 @@ class CopyWorkers:
             raise job.error
 
     def _start(self) -> None:
+        if self._pid != os.getpid():
+            # A forked child inherits the list but not the threads: start its own.
+            self._pid, self._helpers = os.getpid(), []
+            self._wake = threading.Condition(threading.Lock())
         while len(self._helpers) < self.threads - 1:
             t = threading.Thread(target=self._loop, args=(self._generation,),
                                  name="lmcache-mp-copy", daemon=True)
