@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .client import Client
+from .errors import InvalidArgument
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 
@@ -196,7 +197,11 @@ class Ours(Contender):
     def transfer(self, mode: str, layout: str, verify: bool) -> tuple[Sample, Sample]:
         if self.numpy_ids:
             return None, None
-        reg = self._reg(mode, layout)
+        try:
+            reg = self._reg(mode, layout)
+        except InvalidArgument:
+            return None, None  # LMCache-driven NHD on a 0.5.3 / 0.5.4 server: refused
+
         if reg.mode != mode:
             return None, None  # e.g. a server without an L1 pool: no engine-driven mode
         kv = reg.cache
@@ -300,7 +305,7 @@ class Memcpy(Contender):
 
 
 #: (mode, layout) of the transfer measures; LMCache-driven NHD needs 0.5.5+ servers.
-TRANSFERS = (("engine", "HND"), ("engine", "NHD"), ("lmcache", "HND"))
+TRANSFERS = (("engine", "HND"), ("engine", "NHD"), ("lmcache", "HND"), ("lmcache", "NHD"))
 
 
 def plan(cfg: Config) -> list[tuple[str, Callable[[Contender, bool], dict[str, Sample]]]]:
