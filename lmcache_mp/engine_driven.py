@@ -12,19 +12,25 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from .errors import ProtocolMismatch
-from .ipc.base import STORAGE_DTYPES, KVGeometry
+from .ipc.base import STORAGE_DTYPES, ExportableKVCache, KVGeometry
 from .ipc.cpu_cache import CpuKVCache
 from .ipc.paged_copy import gather_chunk, scatter_chunk
 from .ipc.shm import map_existing
 from .protocol.types import PoolSlot
 
-__all__ = ["Pool", "PoolMaps", "NO_POOL_HELP", "copy_into_slots", "copy_from_slots"]
+__all__ = ["Pool", "PoolMaps", "NO_POOL_HELP", "UNMAP_HOOKS", "copy_into_slots",
+           "copy_from_slots"]
+
+#: Called with a pool's view before it is unmapped (a GPU cache's copies page-lock the
+#: pool: lmcache_mp.ipc.cuda.staging undoes that here).
+UNMAP_HOOKS: list[Callable[[np.ndarray], None]] = []
 
 NO_POOL_HELP = (
     "the server has no shared-memory L1 pool, so engine-driven transfers would need "
@@ -79,20 +85,22 @@ class PoolMaps:
                 self._maps[key] = (entry[0], entry[1], entry[2] - 1)
                 return
             del self._maps[key]
-        _unmap(entry[0])
+        _unmap(entry[0], entry[1])
 
     def close(self) -> None:
         with self._lock:
             entries = list(self._maps.values())
             self._maps.clear()
-        for pool, _view, _users in entries:
-            _unmap(pool)
+        for pool, view, _users in entries:
+            _unmap(pool, view)
 
     def __len__(self) -> int:
         return len(self._maps)
 
 
-def _unmap(pool: mmap.mmap) -> None:
+def _unmap(pool: mmap.mmap, view: np.ndarray) -> None:
+    for hook in UNMAP_HOOKS:
+        hook(view)
     try:
         pool.close()
     except BufferError:
@@ -120,12 +128,13 @@ def slot_view(pool: Pool, slot: PoolSlot, g: KVGeometry, chunk_size: int) -> np.
 
 
 def copy_into_slots(
-    cache: CpuKVCache,
+    cache: ExportableKVCache,
     ids: np.ndarray,
     slots: Sequence[PoolSlot],
     chunk_indices: Sequence[int],
     pool: Pool,
     chunk_size: int,
+    stream: Any = None,
 ) -> None:
     """PREPARE_STORE's slots are filled from the blocks of their chunk of the key. The
     whole context is checked before a byte is copied (ProtocolMismatch: none was)."""
@@ -146,17 +155,24 @@ def copy_into_slots(
     # Every slot is checked before the first copy: a context that is wrong anywhere
     # writes nothing.
     targets = [slot_view(pool, slot, g, chunk_size) for slot in slots]
+    if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
+        from .ipc.cuda.staging import device_copy_into_slots
+
+        device_copy_into_slots(cache, ids, targets, chunk_indices, pool.view, chunk_size,
+                               stream)
+        return
     for target, ci in zip(targets, chunk_indices, strict=True):
         gather_chunk(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], target, g)
 
 
 def copy_from_slots(
-    cache: CpuKVCache,
+    cache: ExportableKVCache,
     ids: np.ndarray,
     slots: Sequence[PoolSlot],
     pool: Pool,
     chunk_size: int,
     skip_first_n_tokens: int,
+    stream: Any = None,
 ) -> None:
     """PREPARE_RETRIEVE's slots (one per chunk of the key, in order) are copied into the
     blocks, leaving the first ``skip_first_n_tokens`` (whole blocks) untouched. Every slot
@@ -168,6 +184,11 @@ def copy_from_slots(
                                f"{len(ids) // per_chunk} chunks")
     sources = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     skip_blocks = skip_first_n_tokens // g.block_size
+    if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
+        from .ipc.cuda.staging import device_copy_from_slots
+
+        device_copy_from_slots(cache, ids, sources, pool.view, chunk_size, skip_blocks, stream)
+        return
     for ci, source in enumerate(sources):
         scatter_chunk(source, cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], g,
                       skip_blocks=max(0, skip_blocks - ci * per_chunk))

@@ -337,7 +337,7 @@ class Registration:
         deadline = time.monotonic() + self._conn.seconds(timeout)
         groups = self._checked(key, block_ids, "STORE")
         if self.mode == "engine":
-            return transfers.engine_store(self, key, groups, deadline)
+            return transfers.engine_store(self, key, groups, deadline, stream)
         return transfers.server_copy(self, "STORE", key, groups, (), deadline, stream)
 
     store = blocking(store_async)
@@ -357,7 +357,8 @@ class Registration:
             raise InvalidArgument(f"skip_first_n_tokens must be an int in "
                                   f"[0, {key.end - key.start}], got {skip_first_n_tokens!r}")
         if self.mode == "engine":
-            return transfers.engine_retrieve(self, key, groups, skip_first_n_tokens, deadline)
+            return transfers.engine_retrieve(self, key, groups, skip_first_n_tokens, deadline,
+                                             stream)
         return transfers.server_copy(self, "RETRIEVE", key, groups, (skip_first_n_tokens,),
                                      deadline, stream)
 

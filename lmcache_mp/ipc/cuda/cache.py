@@ -30,7 +30,7 @@ from typing import Any, Literal
 from ...checks import one_of, positive_int
 from ...errors import InvalidArgument
 from ..base import STORAGE_DTYPES, CudaLayerExport, KVGeometry, KVLayout, LayerExport
-from .driver import CudaDriver, get_driver
+from .driver import CudaDriver, CudaError, get_driver
 from .export import (
     CudaArrayView,
     DeviceAllocation,
@@ -54,6 +54,18 @@ WRAPPER_FORMATS: tuple[WrapperFormat, ...] = ("auto", "raw", "torch_ipc")
 def _check_wrapper(wrapper: object) -> WrapperFormat:
     one_of("wrapper", wrapper, WRAPPER_FORMATS)
     return wrapper  # type: ignore[return-value]
+
+
+def _export_or_local(drv: CudaDriver, ptr: int, nbytes: int,
+                     allow_offset: bool) -> ExportedAllocation:
+    """The layer's CUDA IPC export; for device memory CUDA IPC cannot share (VMM, pools,
+    Tegra) a handle-less record instead, usable in engine-driven mode only."""
+    try:
+        return export_allocation(ptr, nbytes, driver=drv, allow_offset=allow_offset)
+    except (InvalidArgument, CudaError) as exc:
+        from .staging import local_allocation
+
+        return local_allocation(drv, ptr, nbytes, exc)
 
 
 def _geometry(num_layers: int, num_blocks: int, block_size: int, num_heads: int,
@@ -144,7 +156,7 @@ class CudaKVCache:
                     drv.memset(ptr, 0, geometry.layer_nbytes)
                 # cudaMemset is asynchronous to the host; finish before handing out.
                 drv.synchronize_device()
-                exports = [export_allocation(a.ptr, a.nbytes, driver=drv) for a in allocations]
+                exports = [_export_or_local(drv, a.ptr, a.nbytes, False) for a in allocations]
             except BaseException:
                 for a in allocations:
                     a.free()
@@ -187,8 +199,7 @@ class CudaKVCache:
             exports = []
             for i, ptr in enumerate(ptrs):
                 try:
-                    exp = export_allocation(ptr, geometry.layer_nbytes, driver=drv,
-                                            allow_offset=True)
+                    exp = _export_or_local(drv, ptr, geometry.layer_nbytes, True)
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"layer {i}: {exc}") from None
                 if exp.device != device:
@@ -255,6 +266,17 @@ class CudaKVCache:
             self._torch_layers = layers
         return self._torch_layers
 
+    #: This cache can be registered with ``mode="engine"``: the client copies its blocks
+    #: through the server's shared-memory pool (:mod:`.staging`).
+    supports_engine_driven = True
+
+    @property
+    def ipc_exportable(self) -> bool:
+        """Whether CUDA IPC can share every layer (needed by ``mode="lmcache"``). False
+        for VMM or pool memory, or where CUDA IPC is unsupported (Tegra): such a cache
+        is registered in engine-driven mode (``mode="auto"`` picks it)."""
+        return all(e.handle for e in self._exports)
+
     @property
     def unlinked(self) -> bool:
         # CUDA handles stay valid until the memory is freed: a cache can be registered
@@ -272,6 +294,12 @@ class CudaKVCache:
     # ------------------------------------------------ ExportableKVCache
     def export_layers(self) -> list[LayerExport]:
         self._check_open()
+        if not self.ipc_exportable:
+            raise InvalidArgument(
+                "this cache's memory cannot be shared with CUDA IPC (VMM / memory-pool "
+                "memory, or a device without CUDA IPC such as Tegra), so the server cannot "
+                "map it: register with mode='engine' (or 'auto'), which copies blocks "
+                "through the server's shared-memory pool instead")
         g = self.geometry
         return [
             CudaLayerExport(ipc_handle=e.handle, nbytes=g.layer_nbytes, alloc_offset=e.offset,

@@ -43,6 +43,7 @@ TIMELINE_EVENT_HANDLE_SIZE = 81
 EVENT_INTERPROCESS = 0x04
 EVENT_DISABLE_TIMING = 0x02
 CU_MEMORYTYPE_DEVICE = 2
+HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 
 
 # ---------------------------------------------------------------------- errors
@@ -365,6 +366,36 @@ class CudaBindingsDriver:
 
     def stream_synchronize(self, stream: int) -> None:
         self._rt_call("cudaStreamSynchronize", stream)
+
+    # -- engine-driven copies and the doctor (lmcache_mp.ipc.cuda.staging, doctor):
+    # they satisfy staging.CopyDriver, a CudaDriver with these calls as well.
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        # Portable: the pinning holds for every context, whichever device copies.
+        self._rt_call("cudaHostRegister", ptr, nbytes, HOST_REGISTER_PORTABLE)
+
+    def host_unregister(self, ptr: int) -> None:
+        self._rt_call("cudaHostUnregister", ptr)
+
+    def memcpy_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                        height: int, stream: int) -> None:
+        # cudaMemcpyDefault: unified addressing tells host from device by the pointer.
+        self._rt_call("cudaMemcpy2DAsync", dst, dpitch, src, spitch, width, height,
+                      self._rt.cudaMemcpyKind.cudaMemcpyDefault, stream)
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        self._rt_call("cudaMemcpy", dst, src, nbytes, self._rt.cudaMemcpyKind.cudaMemcpyDefault)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self._rt_call("cudaMemGetInfo")
+        return int(free), int(total)
+
+    def device_attribute(self, device: int, name: str) -> int | None:
+        """``cudaDevAttr<name>`` of ``device`` (e.g. "Integrated",
+        "PageableMemoryAccess"), or None when these bindings do not know it."""
+        attr = getattr(self._rt.cudaDeviceAttr, f"cudaDevAttr{name}", None)
+        if attr is None:
+            return None
+        return int(self._rt_call("cudaDeviceGetAttribute", attr, device)[0])
 
 
 _driver_lock = threading.Lock()
