@@ -10,13 +10,15 @@ same round trip on a GPU."""
 from __future__ import annotations
 
 import logging
+import mmap
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 
-from lmcache_mp import CacheKey, Client, InvalidArgument
+from lmcache_mp import CacheKey, Client, InvalidArgument, LMCacheMPError
 from lmcache_mp.engine_driven import UNMAP_HOOKS, Pool, PoolMaps, copy_from_slots, copy_into_slots
 from lmcache_mp.ipc.base import STORAGE_DTYPES, KVGeometry
 from lmcache_mp.ipc.cuda import CudaKVCache, staging
@@ -271,3 +273,64 @@ def test_live_round_trip_through_the_server_pool(live_server: LiveServer, g: KVG
         finally:
             reg.unregister()
         assert not drv.pinned, "unregistering unmapped the pool and undid the pinning"
+
+
+# ------------------------------------------------------------------ GPU
+def _real_driver() -> Any:
+    """cuda-python's driver, or skip saying why (no GPU on the CI machine)."""
+    try:
+        from lmcache_mp.ipc.cuda import CudaBindingsDriver
+
+        drv = CudaBindingsDriver()
+        if drv.driver_version() <= 0 or drv.device_count() < 1:
+            pytest.skip("no CUDA device visible: the engine-driven CUDA copies are checked "
+                        "on a GPU by scripts/gpu_check.sh")
+    except LMCacheMPError as exc:
+        pytest.skip(f"no usable CUDA here ({exc}); scripts/gpu_check.sh checks this on a GPU")
+    return drv
+
+
+def test_real_gpu_copies_match_the_cpu_copy() -> None:
+    """The same plan through cuda-python on a real GPU: blocks -> a page-locked
+    mmap'd pool -> other blocks, byte for byte against the CPU implementation."""
+    drv = _real_driver()
+    g = GEOMETRIES[0]
+    cache = CudaKVCache.allocate(num_layers=g.num_layers, num_blocks=g.num_blocks,
+                                 block_size=g.block_size, num_heads=g.num_heads,
+                                 head_dim=g.head_dim, dtype=g.dtype, driver=drv)
+    rng = np.random.default_rng(5)
+    np_dtype = STORAGE_DTYPES[g.dtype][0]
+    host = [rng.integers(0, 256, g.layer_nbytes, dtype=np.uint8) for _ in range(g.num_layers)]
+    for ptr, h in zip(cache.layer_ptrs, host, strict=True):
+        drv.memcpy(ptr, h.ctypes.data, g.layer_nbytes)
+    nbytes = int(np.prod(object_shape(g))) * g.itemsize
+    mapping = mmap.mmap(-1, nbytes * 4)  # page-aligned, like the server's pool
+    buf = np.frombuffer(mapping, dtype=np.uint8)
+    pool = Pool("gpu-test", len(buf), 0, buf)
+    slots = [PoolSlot(offset=(2 - i) * nbytes, length=nbytes, shape=object_shape(g),
+                      dtype=g.dtype) for i in range(2)]
+    per_chunk = CHUNK // g.block_size
+    ids = np.array([7, 8, 1, 2, 9, 3, 4, 11][: 2 * per_chunk], np.int64)
+    layers = [h.view(np_dtype).reshape(g.layer_shape) for h in host]
+    try:
+        copy_into_slots(cache, ids, slots, [1, 0], pool, CHUNK)
+        for slot, ci in zip(slots, [1, 0], strict=True):
+            expect = np.zeros(object_shape(g), np_dtype)
+            gather_chunk(layers, ids[ci * per_chunk:(ci + 1) * per_chunk], expect, g)
+            assert buf[slot.offset:slot.offset + nbytes].tobytes() == expect.tobytes()
+        buf[:] = rng.integers(0, 256, len(buf), dtype=np.uint8)
+        dst = np.array([0, 5, 6, 10, 11, 2, 3, 4][: 2 * per_chunk], np.int64)
+        copy_from_slots(cache, dst, slots, pool, CHUNK, g.block_size)  # skip one block
+        for ci, slot in enumerate(slots):
+            obj = buf[slot.offset:slot.offset + nbytes].view(np_dtype).reshape(object_shape(g))
+            scatter_chunk(obj, layers, dst[ci * per_chunk:(ci + 1) * per_chunk], g,
+                          skip_blocks=max(0, 1 - ci * per_chunk))
+        for ptr, want in zip(cache.layer_ptrs, host, strict=True):
+            got = np.zeros(g.layer_nbytes, np.uint8)
+            drv.memcpy(got.ctypes.data, ptr, g.layer_nbytes)
+            assert got.tobytes() == want.tobytes()
+        assert staging.pinned_pools().get(buf.ctypes.data) == len(buf)
+    finally:
+        staging.unpin(buf)
+        del buf, layers
+        cache.close()
