@@ -332,8 +332,9 @@ class Registration:
         """STORE tokens ``[key.start, key.end)`` held in ``block_ids`` (one id per block
         of the range, in order; one list per group for multi-group caches). True when
         stored (chunks cached already count as stored). The chunks become visible to
-        LOOKUP shortly after the reply. ``stream`` (CUDA caches): the server's copy
-        starts after work queued on it, and it waits for the copy."""
+        LOOKUP shortly after the reply. ``stream`` (CUDA caches): the copy starts after
+        work queued on it (the server's, or in engine-driven mode this client's CUDA
+        copies, synchronised before COMMIT_STORE)."""
         deadline = time.monotonic() + self._conn.seconds(timeout)
         groups = self._checked(key, block_ids, "STORE")
         if self.mode == "engine":
@@ -349,7 +350,8 @@ class Registration:
         hit covering the range first (the retrieve releases its read locks); False when
         a chunk is missing. ``skip_first_n_tokens`` (from ``start``, rounded down to
         whole blocks) leaves leading blocks untouched. ``stream`` (CUDA caches): made to
-        wait for the server's copy before reading."""
+        wait for the server's copy before reading (engine-driven: this client's copies
+        run on it and have finished when the call returns)."""
         deadline = time.monotonic() + self._conn.seconds(timeout)
         groups = self._checked(key, block_ids, "RETRIEVE")
         if (not is_int(skip_first_n_tokens)
