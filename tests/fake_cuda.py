@@ -45,6 +45,7 @@ class FakeDriver:
         self.unpinned: list[int] = []
         self.allow_pageable = False  # copies from unpinned host memory (else asserted)
         self.fail_host_register = False
+        self.refuse_3d = False  # memcpy_3d_async raises (the 2-D fallback)
         self.queued: list[tuple[int, Any]] = []  # (stream, copy)
         self.ipc_supported = True  # False: Tegra (cudaIpcGetMemHandle unsupported)
         self.compute_capability = (9, 0)
@@ -226,6 +227,26 @@ class FakeDriver:
         def run() -> None:
             for r in range(height):
                 self._memory(dst + r * dpitch, width)[:] = self._memory(src + r * spitch, width)
+
+        self.queued.append((stream, run))
+
+    def memcpy_3d_async(self, dst: int, dpitch: int, dheight: int, src: int, spitch: int,
+                        sheight: int, width: int, height: int, depth: int,
+                        stream: int) -> None:
+        """Linear memory as CUDA addresses it: byte (x, y, z) of a pitched pointer is at
+        ``ptr + z * pitch * pitch_height + y * pitch + x``."""
+        self.calls.append(("memcpy3d", dst, dpitch, dheight, src, spitch, sheight, width,
+                           height, depth, stream))
+        if self.refuse_3d:
+            raise CudaError("cudaMemcpy3DAsync failed: cudaErrorInvalidValue (1)",
+                            call="cudaMemcpy3DAsync", code=1)
+        assert width <= dpitch and width <= spitch and height <= dheight and height <= sheight
+
+        def run() -> None:
+            for z in range(depth):
+                for y in range(height):
+                    self._memory(dst + (z * dheight + y) * dpitch, width)[:] = self._memory(
+                        src + (z * sheight + y) * spitch, width)
 
         self.queued.append((stream, run))
 

@@ -70,11 +70,17 @@ def pool_and_slots(g: KVGeometry, n: int) -> tuple[Pool, list[PoolSlot], np.ndar
     return Pool("test", len(buf), 0, buf), slots, buf
 
 
+def copied_bytes(drv: FakeDriver) -> int:
+    return (sum(c[5] * c[6] for c in drv.calls if c[0] == "memcpy2d")
+            + sum(c[7] * c[8] * c[9] for c in drv.calls if c[0] == "memcpy3d"))
+
+
 @pytest.fixture(autouse=True)
 def no_pins_left() -> Iterator[None]:
     yield
     for address in list(staging.pinned_pools()):
         staging._pinned.pop(address, None)
+    staging._no_3d.clear()
 
 
 @pytest.mark.parametrize("g", GEOMETRIES, ids=lambda g: f"L{g.num_layers}H{g.num_heads}"
@@ -95,13 +101,15 @@ def test_store_plan_matches_the_cpu_copy(g: KVGeometry) -> None:
         assert got.tobytes() == expect.tobytes()  # bytes: random floats hold NaNs
     # Every copy on the caller's stream, the pool pinned before the first, and the
     # stream synchronised after the last (before COMMIT_STORE can be sent).
-    kinds = [c[0] for c in drv.calls if c[0] in ("host_register", "memcpy2d", "stream_sync")]
+    copies = ("memcpy2d", "memcpy3d")
+    kinds = [c[0] for c in drv.calls if c[0] in ("host_register", "stream_sync", *copies)]
     assert kinds[0] == "host_register" and kinds[-1] == "stream_sync"
-    assert set(kinds[1:-1]) == {"memcpy2d"}
-    assert {c[7] for c in drv.calls if c[0] == "memcpy2d"} == {STREAM}
+    # Several heads: runs of consecutive ids as 3-D copies, lone blocks as 2-D ones.
+    assert set(kinds[1:-1]) == ({"memcpy2d", "memcpy3d"} if g.num_heads > 1 and not g.mla
+                                else {"memcpy2d"})
+    assert {c[-1] for c in drv.calls if c[0] in copies} == {STREAM}
     assert drv.calls[-1] == ("stream_sync", STREAM) and not drv.queued
-    copied = sum(c[5] * c[6] for c in drv.calls if c[0] == "memcpy2d")
-    assert copied == 2 * slots[0].length  # every byte of both objects, once
+    assert copied_bytes(drv) == 2 * slots[0].length  # every byte of both objects, once
 
 
 @pytest.mark.parametrize("g", GEOMETRIES, ids=lambda g: f"L{g.num_layers}H{g.num_heads}"
@@ -127,6 +135,34 @@ def test_retrieve_plan_matches_the_cpu_copy(g: KVGeometry, skip_tokens: int) -> 
     assert drv.calls[-1] == ("stream_sync", STREAM)
 
 
+@pytest.mark.parametrize("skip_tokens", [0, 8])
+def test_refused_3d_copies_fall_back_to_2d(skip_tokens: int,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A driver that refuses cudaMemcpy3DAsync (raised before anything is queued) gets
+    the same bytes through one 2-D copy per block."""
+    g = GEOMETRIES[0]
+    per_chunk = CHUNK // g.block_size
+    ids = np.array([5, 6, 7, 8, 1, 2, 9, 3][: 2 * per_chunk], np.int64)
+    results = []
+    for refuse in (False, True):
+        drv = FakeDriver()
+        drv.refuse_3d = refuse
+        cache, layers = fake_cache(drv, g, seed=7)
+        pool, slots, buf = pool_and_slots(g, 2)
+        buf[:] = np.random.default_rng(8).integers(0, 256, len(buf), dtype=np.uint8)
+        with caplog.at_level(logging.WARNING, logger="lmcache_mp"):
+            copy_from_slots(cache, ids, slots, pool, CHUNK, skip_tokens, STREAM)  # type: ignore[arg-type]
+            copy_into_slots(cache, ids[::-1].copy(), slots, [0, 1], pool, CHUNK, STREAM)  # type: ignore[arg-type]
+        results.append((b"".join(layer.tobytes() for layer in layers), buf.tobytes()))
+        tried_3d = sum(c[0] == "memcpy3d" for c in drv.calls)
+        assert tried_3d == 1 if refuse else tried_3d > 1  # refused once, then 2-D only
+        staging._no_3d.clear()
+        for address in list(staging.pinned_pools()):
+            staging._pinned.pop(address, None)
+    assert results[0] == results[1]
+    assert "cudaMemcpy3DAsync refused" in caplog.text
+
+
 def test_one_head_and_mla_plans_merge_contiguous_runs() -> None:
     g = GEOMETRIES[1]  # one head: a block is contiguous on both sides
     per_chunk = CHUNK // g.block_size
@@ -138,9 +174,16 @@ def test_one_head_and_mla_plans_merge_contiguous_runs() -> None:
     g2 = GEOMETRIES[0]
     plan2 = staging.store_plan(g2, [0x1000_0000, 0x2000_0000], np.arange(CHUNK // g2.block_size),
                                [0x9000_0000], [0], CHUNK)
-    assert len(plan2) == 2 * g2.num_layers * (CHUNK // g2.block_size) * g2.num_heads
-    assert (plan2.height, plan2.spitch, plan2.dpitch) == (
-        g2.block_size, g2.head_dim * g2.itemsize, g2.hidden_dim * g2.itemsize)
+    # Several heads, contiguous ids: one 3-D copy per (K/V, layer, head), the run's
+    # blocks as its slices; scattered ids: one per block.
+    assert len(plan2) == 2 * g2.num_layers * g2.num_heads
+    assert (plan2.depth == CHUNK // g2.block_size).all()
+    assert (plan2.height, plan2.spitch, plan2.dpitch, plan2.slice_pitch) == (
+        g2.block_size, g2.head_dim * g2.itemsize, g2.hidden_dim * g2.itemsize,
+        g2.num_heads * g2.block_size * g2.head_dim * g2.itemsize)
+    scattered = staging.store_plan(g2, [0x1000_0000, 0x2000_0000], np.array([3, 1, 5, 7]),
+                                   [0x9000_0000], [0], CHUNK)
+    assert len(scattered) == 2 * g2.num_layers * 4 * g2.num_heads and (scattered.depth == 1).all()
 
 
 def test_nothing_lands_before_the_stream_is_synchronised() -> None:
@@ -268,7 +311,7 @@ def test_live_round_trip_through_the_server_pool(live_server: LiveServer, g: KVG
                 got = layer[dst] if g.mla else layer[:, dst]
                 want = layer[src] if g.mla else layer[:, src]
                 assert got.tobytes() == want.tobytes()
-            assert {c[7] for c in drv.calls if c[0] == "memcpy2d"} == {STREAM}
+            assert {c[-1] for c in drv.calls if c[0].startswith("memcpy")} == {STREAM}
             assert drv.pinned, "the server's pool is page-locked while registered"
         finally:
             reg.unregister()

@@ -382,6 +382,22 @@ class CudaBindingsDriver:
         self._rt_call("cudaMemcpy2DAsync", dst, dpitch, src, spitch, width, height,
                       self._rt.cudaMemcpyKind.cudaMemcpyDefault, stream)
 
+    def memcpy_3d_async(self, dst: int, dpitch: int, dheight: int, src: int, spitch: int,
+                        sheight: int, width: int, height: int, depth: int,
+                        stream: int) -> None:
+        """``depth`` slices of ``height`` rows of ``width`` bytes; a slice is ``pitch *
+        pitch_height`` bytes on each side (linear memory, cudaMemcpyDefault)."""
+        rt = self._rt
+        try:
+            params = rt.cudaMemcpy3DParms()
+            params.srcPtr = rt.make_cudaPitchedPtr(src, spitch, width, sheight)
+            params.dstPtr = rt.make_cudaPitchedPtr(dst, dpitch, width, dheight)
+            params.extent = rt.make_cudaExtent(width, height, depth)
+            params.kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+        except Exception as exc:  # bindings without these helpers
+            raise CudaError(f"cudaMemcpy3DParms: {exc!r}", call="cudaMemcpy3DAsync") from exc
+        self._rt_call("cudaMemcpy3DAsync", params, stream)
+
     def memcpy(self, dst: int, src: int, nbytes: int) -> None:
         self._rt_call("cudaMemcpy", dst, src, nbytes, self._rt.cudaMemcpyKind.cudaMemcpyDefault)
 

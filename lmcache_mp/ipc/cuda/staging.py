@@ -12,10 +12,11 @@ and COMMIT_*, after every slot was checked):
 * the pool mapping is page-locked once (``cudaHostRegister``, portable), so copies to
   and from it are DMA; a pool that cannot be pinned (``RLIMIT_MEMLOCK``) is copied
   pageable, slower but correct. The pinning is undone before the pool is unmapped.
-* the copy plan (:func:`store_plan` / :func:`retrieve_plan`): one ``cudaMemcpy2DAsync``
-  per (K/V, layer, block, head), since a chunk object is token-major
-  (``[2, layers, tokens, heads * head_dim]``) and an HND block is head-major; runs that
-  are contiguous on both sides (MLA, one head) are merged into single 1-D copies.
+* the copy plan (:func:`store_plan` / :func:`retrieve_plan`): a chunk object is
+  token-major (``[2, layers, tokens, heads * head_dim]``) and an HND block head-major,
+  so one ``cudaMemcpy3DAsync`` per (K/V, layer, head, run of consecutive block ids), or
+  a ``cudaMemcpy2DAsync`` per block of the run if the driver refuses 3-D copies; with
+  one head or MLA, rows are contiguous on both sides and runs become 1-D copies.
 * the copies go on the caller's stream, after the work already queued there (the
   engine's writes of the blocks), and that stream is synchronised before returning:
   for STORE because COMMIT_STORE publishes the slots, for RETRIEVE because
@@ -35,6 +36,7 @@ import numpy as np
 
 from ...errors import InvalidArgument
 from ..base import ExportableKVCache, KVGeometry
+from ..paged_copy import block_runs
 from .cache import CudaKVCache
 from .driver import CU_MEMORYTYPE_DEVICE, CudaDriver, CudaError
 from .export import ExportedAllocation, on_device
@@ -47,7 +49,8 @@ log = logging.getLogger("lmcache_mp")
 
 
 class CopyDriver(CudaDriver, Protocol):
-    """The CUDA calls of engine-driven copies (CudaBindingsDriver has them)."""
+    """The CUDA calls of engine-driven copies (CudaBindingsDriver has them; a driver
+    without ``memcpy_3d_async`` gets 2-D copies only)."""
 
     def host_register(self, ptr: int, nbytes: int) -> None: ...
     def host_unregister(self, ptr: int) -> None: ...
@@ -58,22 +61,25 @@ class CopyDriver(CudaDriver, Protocol):
 # ------------------------------------------------------------------ the plan
 @dataclass(frozen=True)
 class CopyPlan:
-    """Copies ``i``: ``height`` rows of ``width[i]`` bytes from ``src[i]`` (rows
-    ``spitch`` apart) to ``dst[i]`` (rows ``dpitch`` apart), in this order."""
+    """Copy ``i`` moves ``depth[i]`` slices of ``height`` rows of ``width[i]`` bytes from
+    ``src[i]`` to ``dst[i]``: rows ``spitch`` / ``dpitch`` apart (0: contiguous), slices
+    ``slice_pitch`` apart on both sides (a run of consecutive blocks). In this order."""
 
     dst: np.ndarray
     src: np.ndarray
     width: np.ndarray
+    depth: np.ndarray
     height: int
     dpitch: int
     spitch: int
+    slice_pitch: int = 0
 
     def __len__(self) -> int:
         return len(self.dst)
 
     @property
     def nbytes(self) -> int:
-        return int(self.width.sum()) * self.height
+        return int((self.width * self.depth).sum()) * self.height
 
 
 def _block_major(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
@@ -108,18 +114,56 @@ def _block_major(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
     return dev.reshape(shape), obj.reshape(shape), d * it, bs, d * it, h * d * it
 
 
+def _build(g: KVGeometry, layer_ptrs: Sequence[int],
+           chunks: Sequence[tuple[np.ndarray, int, int]], chunk_tokens: int,
+           to_slots: bool) -> CopyPlan:
+    """The plan for ``chunks`` of ``(block ids, blocks to skip, slot address)``.
+
+    Several heads (HND): one copy per (K/V, layer, head, run of consecutive block ids):
+    a block's rows of one head are ``head_dim`` apart on the block side and ``heads *
+    head_dim`` apart in the chunk, so a block takes a 2-D copy, and the next block of a
+    run is one block (``heads * block_size * head_dim``) further on both sides, so a run
+    is a 3-D copy. One head or MLA: rows are contiguous on both sides, merged into 1-D
+    copies as long as the block ids run on."""
+    deep = not g.mla and g.num_heads > 1
+    devs, objs, depths = [], [], []
+    width = height = bpitch = cpitch = 0
+    for ids, skip, addr in chunks:
+        dev, obj, width, height, bpitch, cpitch = _block_major(g, layer_ptrs, ids, chunk_tokens)
+        if deep:
+            runs = block_runs(np.asarray(ids[skip:], dtype=np.int64))
+            at = np.array([skip + p for p, _, _ in runs], dtype=np.int64)
+            n = np.array([n for _, _, n in runs], dtype=np.int64)
+            dev, obj = dev[:, at, :], obj[:, at, :]
+            depths.append(np.broadcast_to(n[None, :, None], dev.shape).reshape(-1))
+        else:
+            dev, obj = dev[:, skip:, :], obj[:, skip:, :]
+            depths.append(np.ones(dev.size, np.int64))
+        devs.append(dev.reshape(-1))
+        objs.append(obj.reshape(-1) + int(addr))
+    dev_all = np.concatenate(devs) if devs else np.zeros(0, np.int64)
+    obj_all = np.concatenate(objs) if objs else np.zeros(0, np.int64)
+    depth = np.concatenate(depths) if depths else np.zeros(0, np.int64)
+    widths = np.full(len(dev_all), width, np.int64)
+    slice_pitch = g.num_heads * g.block_size * g.head_dim * g.itemsize if deep else 0
+    plan = (CopyPlan(obj_all, dev_all, widths, depth, height, cpitch, bpitch, slice_pitch)
+            if to_slots else
+            CopyPlan(dev_all, obj_all, widths, depth, height, bpitch, cpitch, slice_pitch))
+    return plan if deep else _merged(plan)
+
+
 def _merged(plan: CopyPlan) -> CopyPlan:
-    """Rows contiguous on both sides become one 1-D copy, and 1-D copies that continue
-    each other on both sides become one."""
-    if len(plan) == 0 or plan.height > 1 and not (
-            plan.width[0] == plan.spitch == plan.dpitch and (plan.width == plan.width[0]).all()):
+    """Rows contiguous on both sides (one head, MLA) become one 1-D copy, and 1-D copies
+    that continue each other on both sides become one."""
+    if len(plan) == 0:
         return plan
+    assert plan.height == 1 or plan.width[0] == plan.spitch == plan.dpitch
     width = plan.width * plan.height
     dst, src = plan.dst, plan.src
     joins = (dst[1:] == dst[:-1] + width[:-1]) & (src[1:] == src[:-1] + width[:-1])
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
     widths = np.add.reduceat(width, starts)
-    return CopyPlan(dst[starts], src[starts], widths, 1, 0, 0)
+    return CopyPlan(dst[starts], src[starts], widths, np.ones(len(starts), np.int64), 1, 0, 0)
 
 
 def store_plan(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
@@ -127,15 +171,10 @@ def store_plan(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
                chunk_tokens: int) -> CopyPlan:
     """Blocks -> slots: slot ``slot_addrs[i]`` gets chunk ``chunk_indices[i]`` of the
     key, whose blocks are ``ids[ci * per_chunk : (ci + 1) * per_chunk]``."""
-    per_chunk = chunk_tokens // g.block_size
-    dsts, srcs = [], []
-    w = h = sp = dp = 0
-    for addr, ci in zip(slot_addrs, chunk_indices, strict=True):
-        dev, obj, w, h, sp, dp = _block_major(
-            g, layer_ptrs, ids[ci * per_chunk:(ci + 1) * per_chunk], chunk_tokens)
-        dsts.append(obj.reshape(-1) + int(addr))
-        srcs.append(dev.reshape(-1))
-    return _merged(_plan(dsts, srcs, w, h, dp, sp))
+    per = chunk_tokens // g.block_size
+    chunks = [(ids[ci * per:(ci + 1) * per], 0, int(addr))
+              for addr, ci in zip(slot_addrs, chunk_indices, strict=True)]
+    return _build(g, layer_ptrs, chunks, chunk_tokens, to_slots=True)
 
 
 def retrieve_plan(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
@@ -143,32 +182,35 @@ def retrieve_plan(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
                   skip_blocks: int) -> CopyPlan:
     """Slots -> blocks: slot ``i`` holds chunk ``i`` of the key; the first
     ``skip_blocks`` blocks of the key are left untouched."""
-    per_chunk = chunk_tokens // g.block_size
-    dsts, srcs = [], []
-    w = h = sp = dp = 0
-    for ci, addr in enumerate(slot_addrs):
-        chunk_ids = ids[ci * per_chunk:(ci + 1) * per_chunk]
-        dev, obj, w, h, dp, sp = _block_major(g, layer_ptrs, chunk_ids, chunk_tokens)
-        skip = max(0, skip_blocks - ci * per_chunk)
-        dsts.append(dev[:, skip:].reshape(-1))
-        srcs.append(obj[:, skip:].reshape(-1) + int(addr))
-    return _merged(_plan(dsts, srcs, w, h, dp, sp))
+    per = chunk_tokens // g.block_size
+    chunks = [(ids[ci * per:(ci + 1) * per], min(per, max(0, skip_blocks - ci * per)),
+               int(addr)) for ci, addr in enumerate(slot_addrs)]
+    return _build(g, layer_ptrs, chunks, chunk_tokens, to_slots=False)
 
 
-def _plan(dsts: list[np.ndarray], srcs: list[np.ndarray], width: int, height: int,
-          dpitch: int, spitch: int) -> CopyPlan:
-    dst = np.concatenate(dsts) if dsts else np.zeros(0, np.int64)
-    src = np.concatenate(srcs) if srcs else np.zeros(0, np.int64)
-    return CopyPlan(dst, src, np.full(len(dst), width, np.int64), height, dpitch, spitch)
+# Set once a driver refused a 3-D copy: runs are then sent as 2-D copies, block by block.
+_no_3d: list[str] = []
 
 
 def run_plan(drv: CopyDriver, plan: CopyPlan, stream: int) -> None:
     """Enqueue every copy of ``plan`` on ``stream``, in order."""
-    height, dp, sp = plan.height, plan.dpitch, plan.spitch
-    copy = drv.memcpy_2d_async
-    for dst, src, width in zip(plan.dst.tolist(), plan.src.tolist(), plan.width.tolist(),
-                               strict=True):
-        copy(dst, dp or width, src, sp or width, width, height, stream)
+    height, dp, sp, zp = plan.height, plan.dpitch, plan.spitch, plan.slice_pitch
+    copy2d = drv.memcpy_2d_async
+    copy3d = None if _no_3d else getattr(drv, "memcpy_3d_async", None)
+    for dst, src, width, depth in zip(plan.dst.tolist(), plan.src.tolist(),
+                                      plan.width.tolist(), plan.depth.tolist(), strict=True):
+        if depth > 1 and copy3d is not None:
+            try:
+                copy3d(dst, dp, zp // dp, src, sp, zp // sp, width, height, depth, stream)
+                continue
+            except CudaError as exc:
+                # Raised before anything was queued: send this run and the rest as 2-D.
+                log.warning("lmcache_mp: cudaMemcpy3DAsync refused (%s); engine-driven "
+                            "copies use one 2-D copy per block from now on", exc)
+                _no_3d.append(str(exc))
+                copy3d = None
+        for z in range(depth):
+            copy2d(dst + z * zp, dp or width, src + z * zp, sp or width, width, height, stream)
 
 
 # ---------------------------------------------------- page-locking the pool
