@@ -218,8 +218,10 @@ class Client(ControlPlane, InstanceIdAPI):
                 isinstance(kv_cache, CpuKVCache) or engine_only))
             first: Mode = "engine" if try_engine else "lmcache"
             reg = Registration(self._registry, kv_cache, first, layout, worker_id)
-            reg._establish(deadline,
-                           fall_back=chosen == "auto" and try_engine and not engine_only)
+            if engine_only:
+                reg._establish_engine_only(deadline)
+            else:
+                reg._establish(deadline, fall_back=chosen == "auto" and try_engine)
             self._registry.add(reg)
         except BaseException:
             self._registry.release(iid)

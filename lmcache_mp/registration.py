@@ -185,6 +185,20 @@ class Registration:
             binding = self._register_on_server(deadline)
         self._bind(binding, sent_at)
 
+    def _establish_engine_only(self, deadline: float) -> None:
+        """The first REGISTER of a cache that only engine-driven transfers can move (a GPU
+        cache CUDA IPC cannot export): a server without the handler or a pool is told
+        at once, not waited out."""
+        sent_at = time.monotonic()
+        binding = self._try_engine_driven(deadline)
+        if binding is None:
+            raise ProtocolMismatch(
+                "CUDA IPC cannot share this GPU cache's memory, so only engine-driven "
+                "transfers can move it, and the server offers no engine-driven handler or "
+                "no shared-memory L1 pool: start it with --supported-transfer-mode auto "
+                "--shm-name NAME (the name is needed from 0.5.4) --no-l1-use-lazy")
+        self._bind(binding, sent_at)
+
     def _try_engine_driven(self, deadline: float) -> Binding | None:
         conn = self._conn
         transport = conn.transport
