@@ -11,8 +11,9 @@ unmapped when no registration uses them (a restarted 0.5.3 server names a new po
 from __future__ import annotations
 
 import mmap
+import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +26,7 @@ from .ipc.paged_copy import gather_chunk, scatter_chunk
 from .ipc.shm import map_existing
 from .protocol.types import PoolSlot
 
-__all__ = ["Pool", "PoolMaps", "NO_POOL_HELP", "UNMAP_HOOKS", "copy_into_slots",
-           "copy_from_slots"]
-
-#: Called with a pool's view before it is unmapped (a GPU cache's copies page-lock the
-#: pool: lmcache_mp.ipc.cuda.staging undoes that here).
-UNMAP_HOOKS: list[Callable[[np.ndarray], None]] = []
+__all__ = ["Pool", "PoolMaps", "NO_POOL_HELP", "copy_into_slots", "copy_from_slots"]
 
 NO_POOL_HELP = (
     "the server has no shared-memory L1 pool, so engine-driven transfers would need "
@@ -99,8 +95,10 @@ class PoolMaps:
 
 
 def _unmap(pool: mmap.mmap, view: np.ndarray) -> None:
-    for hook in UNMAP_HOOKS:
-        hook(view)
+    # A GPU cache's copies page-locked the pool: undo that first (only they import it).
+    staging = sys.modules.get("lmcache_mp.ipc.cuda.staging")
+    if staging is not None:
+        staging.unpin(view)
     try:
         pool.close()
     except BufferError:

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from ...checks import one_of, positive_int
 from ...errors import InvalidArgument
 from ..base import STORAGE_DTYPES, CudaLayerExport, KVGeometry, KVLayout, LayerExport
-from .driver import CudaDriver, CudaError, get_driver
+from .driver import CudaDriver, get_driver
 from .export import (
     CudaArrayView,
     DeviceAllocation,
@@ -39,7 +39,6 @@ from .export import (
     check_device_index,
     check_server_event,
     default_stream,
-    export_allocation,
     on_device,
     stream_handle,
     torch_layer_layout,
@@ -54,18 +53,6 @@ WRAPPER_FORMATS: tuple[WrapperFormat, ...] = ("auto", "raw", "torch_ipc")
 def _check_wrapper(wrapper: object) -> WrapperFormat:
     one_of("wrapper", wrapper, WRAPPER_FORMATS)
     return wrapper  # type: ignore[return-value]
-
-
-def _export_or_local(drv: CudaDriver, ptr: int, nbytes: int,
-                     allow_offset: bool) -> ExportedAllocation:
-    """The layer's CUDA IPC export; for device memory CUDA IPC cannot share (VMM, pools,
-    Tegra) a handle-less record instead, usable in engine-driven mode only."""
-    try:
-        return export_allocation(ptr, nbytes, driver=drv, allow_offset=allow_offset)
-    except (InvalidArgument, CudaError) as exc:
-        from .staging import local_allocation
-
-        return local_allocation(drv, ptr, nbytes, exc)
 
 
 def _geometry(num_layers: int, num_blocks: int, block_size: int, num_heads: int,
@@ -146,6 +133,7 @@ class CudaKVCache:
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
+        from .staging import export_or_local  # staging imports this module
         allocations: list[DeviceAllocation] = []
         with on_device(drv, device):
             try:
@@ -156,7 +144,7 @@ class CudaKVCache:
                     drv.memset(ptr, 0, geometry.layer_nbytes)
                 # cudaMemset is asynchronous to the host; finish before handing out.
                 drv.synchronize_device()
-                exports = [_export_or_local(drv, a.ptr, a.nbytes, False) for a in allocations]
+                exports = [export_or_local(drv, a.ptr, a.nbytes, False) for a in allocations]
             except BaseException:
                 for a in allocations:
                     a.free()
@@ -195,11 +183,12 @@ class CudaKVCache:
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
+        from .staging import export_or_local  # staging imports this module
         with on_device(drv, device):
             exports = []
             for i, ptr in enumerate(ptrs):
                 try:
-                    exp = _export_or_local(drv, ptr, geometry.layer_nbytes, True)
+                    exp = export_or_local(drv, ptr, geometry.layer_nbytes, True)
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"layer {i}: {exc}") from None
                 if exp.device != device:

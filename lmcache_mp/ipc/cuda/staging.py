@@ -12,6 +12,7 @@ and COMMIT_*, after every slot was checked):
 * the pool mapping is page-locked once (``cudaHostRegister``, portable), so copies to
   and from it are DMA; a pool that cannot be pinned (``RLIMIT_MEMLOCK``) is copied
   pageable, slower but correct. The pinning is undone before the pool is unmapped.
+  Like the rest of the memory layer this never imports :mod:`lmcache_mp.protocol`.
 * the copy plan (:func:`store_plan` / :func:`retrieve_plan`): a chunk object is
   token-major (``[2, layers, tokens, heads * head_dim]``) and an HND block head-major,
   so one ``cudaMemcpy3DAsync`` per (K/V, layer, head, run of consecutive block ids), or
@@ -39,10 +40,11 @@ from ..base import ExportableKVCache, KVGeometry
 from ..paged_copy import block_runs
 from .cache import CudaKVCache
 from .driver import CU_MEMORYTYPE_DEVICE, CudaDriver, CudaError
-from .export import ExportedAllocation, on_device
+from .export import ExportedAllocation, export_allocation, on_device
 
 __all__ = ["CopyDriver", "CopyPlan", "store_plan", "retrieve_plan", "run_plan",
-           "device_copy_into_slots", "device_copy_from_slots", "local_allocation",
+           "device_copy_into_slots", "device_copy_from_slots", "export_or_local",
+           "local_allocation",
            "pinned_pools", "unpin"]
 
 log = logging.getLogger("lmcache_mp")
@@ -236,7 +238,8 @@ def _ensure_pinned(drv: CopyDriver, device: int, view: np.ndarray) -> None:
 
 
 def unpin(view: np.ndarray) -> None:
-    """Undo the pinning of a pool mapping (before it is unmapped)."""
+    """Undo the pinning of a pool mapping (``engine_driven`` calls this before it
+    unmaps a pool, when this module was imported)."""
     with _pin_lock:
         entry = _pinned.pop(int(view.ctypes.data), None)
     if entry is None:
@@ -295,6 +298,16 @@ def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: S
 
 
 # ------------------------------------- memory CUDA IPC cannot export
+def export_or_local(drv: CudaDriver, ptr: int, nbytes: int,
+                    allow_offset: bool) -> ExportedAllocation:
+    """A layer's CUDA IPC export; for device memory CUDA IPC cannot share (VMM, pools,
+    Tegra) a handle-less record instead, usable in engine-driven mode only."""
+    try:
+        return export_allocation(ptr, nbytes, driver=drv, allow_offset=allow_offset)
+    except (InvalidArgument, CudaError) as exc:
+        return local_allocation(drv, ptr, nbytes, exc)
+
+
 def local_allocation(drv: CudaDriver, ptr: int, nbytes: int,
                      failure: Exception) -> ExportedAllocation:
     """A layer that ``export_allocation`` refused (``failure``), kept for engine-driven
@@ -315,12 +328,3 @@ def local_allocation(drv: CudaDriver, ptr: int, nbytes: int,
     return ExportedAllocation(b"", ptr, base, size, drv.get_device() if device is None
                               else device)
 
-
-def _unpin_before_unmap() -> None:
-    from ...engine_driven import UNMAP_HOOKS
-
-    if unpin not in UNMAP_HOOKS:
-        UNMAP_HOOKS.append(unpin)
-
-
-_unpin_before_unmap()
