@@ -3,7 +3,7 @@
     lmcache-mp ping URL            is the server answering?
     lmcache-mp info URL            chunk size, protocol, round-trip time, features
     lmcache-mp keys --model M ...  the chunk hashes / storage keys a prompt maps to
-    lmcache-mp doctor [--url URL]  CUDA, IPC handles, /dev/shm, and the server's protocol
+    lmcache-mp doctor [URL]        CUDA, IPC, memory, /dev/shm, the server: which modes work
     lmcache-mp clean [--dry-run]   remove the shared memory of killed lmcache_mp processes
                                    (also: lmcache-mp doctor --clean)
     lmcache-mp bench URL           latency, client CPU and GB/s against a bare DEALER and
@@ -126,11 +126,12 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    args.url = args.url or args.url_pos
     if args.clean:
         _cmd_clean(argparse.Namespace(dry_run=False))
     from .doctor import main_doctor  # imports CUDA bindings only when asked
 
-    return main_doctor(args.url, args.timeout)
+    return main_doctor(args.url, args.timeout, args.engine_fraction)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -177,8 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_keys)
 
-    p = sub.add_parser("doctor", help="CUDA, IPC handles, /dev/shm, and the server's protocol")
+    p = sub.add_parser("doctor", help="CUDA, IPC handles, memory, /dev/shm, the server: "
+                                      "which transfer modes work, mode and L1 advice")
+    p.add_argument("url_pos", nargs="?", metavar="URL", help="also check this server")
     p.add_argument("--url", help="also check this server")
+    p.add_argument("--engine-fraction", type=float, default=0.9,
+                   help="the engine's share of GPU memory (vLLM --gpu-memory-utilization, "
+                        "default 0.9) for the L1 size advice on unified memory")
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--clean", action="store_true",
                    help="first remove the shared memory of killed lmcache_mp processes")

@@ -163,8 +163,10 @@ class Client(ControlPlane, InstanceIdAPI):
 
         ``mode``: ``"lmcache"`` (the server maps the cache and copies blocks),
         ``"engine"`` (this client copies blocks through the server's shared-memory pool;
-        CPU caches), or ``"auto"``: engine-driven for a CPU cache when the server offers
-        a pool, else server-copy (``reg.mode`` says which). ``instance_id`` defaults to a
+        CPU caches, and GPU caches with CUDA copies), or ``"auto"``: engine-driven for a
+        CPU cache when the server offers a pool, else server-copy; for a GPU cache
+        server-copy, unless CUDA IPC cannot export its memory (VMM, Tegra), then
+        engine-driven (``reg.mode`` says which). ``instance_id`` defaults to a
         random 63-bit int; ``worker_id`` is this worker's KV rank. Layers are described
         by the cache's layout, with by default one group holding every layer.
         """
@@ -173,15 +175,26 @@ class Client(ControlPlane, InstanceIdAPI):
             raise InvalidArgument(
                 f"kv_cache must be a lmcache_mp.CpuKVCache (or a CUDA cache from "
                 f"lmcache_mp.ipc.cuda), got {type(kv_cache).__name__}")
-        if chosen == "engine" and not isinstance(kv_cache, CpuKVCache):
-            raise InvalidArgument("engine-driven transfers copy through host memory: "
-                                  "register a CpuKVCache, or use mode='lmcache'")
+        engine_ok = isinstance(kv_cache, CpuKVCache) or bool(
+            getattr(kv_cache, "supports_engine_driven", False))
+        # A GPU cache the server cannot map (pool memory, Tegra, VMM without a fabric
+        # export) can only be engine-driven: "auto" registers it so, with no fall-back.
+        exportable = getattr(kv_cache, "ipc_exportable", True)
+        engine_only = not getattr(kv_cache, "server_mappable", exportable)
         wrapped = isinstance(kv_cache, CpuKVCache) and kv_cache.wrapped
+        if chosen == "engine" and not engine_ok:
+            raise InvalidArgument("this cache cannot do engine-driven transfers: register a "
+                                  "CpuKVCache or a CudaKVCache, or use mode='lmcache'")
         if chosen == "lmcache" and wrapped:
             raise InvalidArgument(
                 "a cache from CpuKVCache.wrap() is caller memory the server cannot map: "
                 "register it with mode='engine' (or 'auto'), or allocate a shared-memory "
                 "cache with CpuKVCache.allocate() for mode='lmcache'")
+        if chosen == "lmcache" and not exportable:
+            raise InvalidArgument(
+                "the server cannot map this GPU cache: CUDA IPC cannot export its memory "
+                "(VMM / memory-pool memory, or no CUDA IPC on this device). Register with "
+                "mode='engine' or 'auto' (the client copies through the server's pool)")
         if kv_cache.closed or kv_cache.unlinked:
             raise InvalidArgument(
                 "this KV cache was closed or unregistered (its shared-memory names are gone); "
@@ -208,15 +221,20 @@ class Client(ControlPlane, InstanceIdAPI):
                         f"tokens per block; the server would refuse this cache")
             layout = TransferLayout(iid, model_name, world_size, chunk, groups, g.block_size,
                                     g.num_blocks)
-            # "auto" tries engine-driven only for a CPU cache: a GPU cache is copied by
-            # the server (this client's copies go through host memory).
-            try_engine = chosen == "engine" or (chosen == "auto"
-                                                and isinstance(kv_cache, CpuKVCache))
+            # "auto" tries engine-driven for a CPU cache, and for a GPU cache only when
+            # CUDA IPC cannot export it (then with no fall-back): an exportable GPU cache
+            # is copied by the server, device to device.
+            try_engine = chosen == "engine" or (chosen == "auto" and (
+                isinstance(kv_cache, CpuKVCache) or engine_only))
             first: Mode = "engine" if try_engine else "lmcache"
             reg = Registration(self._registry, kv_cache, first, layout, worker_id)
-            # A wrapped cache has no server-copy mode to fall back to: a server without
-            # a pool is then reported as such (ProtocolMismatch) by the engine-driven try.
-            reg._establish(deadline, fall_back=chosen == "auto" and try_engine and not wrapped)
+            if engine_only and chosen != "lmcache":
+                reg._establish_engine_only(deadline)
+            else:
+                # A wrapped cache has no server-copy mode to fall back to: a server without
+                # a pool is then reported as such (ProtocolMismatch) by the engine-driven try.
+                reg._establish(deadline,
+                               fall_back=chosen == "auto" and try_engine and not wrapped)
             self._registry.add(reg)
         except BaseException:
             self._registry.release(iid)

@@ -2,19 +2,22 @@
 
 Reports the CUDA driver and runtime, each device with the UUID string the server
 matches on, whether CUDA IPC memory and event handles can be made here (by making,
-exporting and releasing a small allocation and an event), ``/dev/shm`` (CPU caches and
-the server's L1 pool live there) and, given a URL, whether a server answers, with which
-protocol, and which CUDA wrapper forms it opens (and which one ``wrapper="auto"``
-picks). Without CUDA it says so and reports the rest; it never raises.
+exporting and releasing a small allocation and an event), the GPU's memory model and
+free memory, ``/dev/shm`` (CPU caches and the server's L1 pool live there) and, given a
+URL, whether a server answers, with which protocol, which CUDA wrapper forms it opens,
+whether it shares ``/dev/shm`` and the IPC namespace with this process (a tiny SHM
+registration round trip), which transfer modes will therefore work, and the mode and
+L1 size to use (:mod:`lmcache_mp.doctor_box`). Without CUDA it says so and reports the
+rest; it never raises.
 """
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 from typing import TYPE_CHECKING
 
+from .doctor_box import Box, gpu_facts, host_facts, recommend, server_sharing
 from .errors import LMCacheMPError
 
 if TYPE_CHECKING:
@@ -38,7 +41,7 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-def _cuda_checks(driver: CudaDriver | None) -> list[Check]:
+def _cuda_checks(driver: CudaDriver | None, box: Box) -> list[Check]:
     from .ipc.cuda import CudaUnavailable, get_driver
 
     rows: list[Check] = []
@@ -81,7 +84,14 @@ def _cuda_checks(driver: CudaDriver | None) -> list[Check]:
                                           f"{_gib(info.total_memory)}", True))
         except LMCacheMPError as exc:
             rows.append((f"device {dev}", f"cannot read its properties: {exc}", False))
-    rows.extend(_ipc_probe(drv, 0))
+    box.cuda = True
+    try:
+        rows.extend(gpu_facts(drv, 0, box))
+    except LMCacheMPError as exc:
+        rows.append(("GPU 0 memory", f"cannot read it: {exc}", False))
+    ipc = _ipc_probe(drv, 0)
+    box.ipc_memory = ipc[0][2]
+    rows.extend(ipc)
     return rows
 
 
@@ -118,16 +128,6 @@ def _ipc_probe(drv: CudaDriver, device: int) -> list[Check]:
     return rows
 
 
-def _shm_check(path: str = "/dev/shm") -> Check:
-    try:
-        st = os.statvfs(path)
-    except OSError as exc:
-        return (path, f"unavailable ({exc.strerror}): CPU KV caches and the server's L1 "
-                      f"pool need POSIX shared memory", False)
-    size, free = st.f_frsize * st.f_blocks, st.f_frsize * st.f_bavail
-    return (path, f"size {_gib(size)}, free {_gib(free)}", free > 0)
-
-
 def _server_checks(url: str, timeout: float) -> list[Check]:
     try:
         from .client import Client
@@ -157,24 +157,35 @@ def _wrapper_forms(wrappers: WrapperFormats) -> str:
     return "the server opens " + "; ".join(parts)
 
 
-def run_doctor(url: str | None, timeout: float, *,
-               driver: CudaDriver | None = None) -> list[Check]:
-    """Every check as (check, result, ok). ``driver`` replaces cuda-python (tests)."""
+def run_doctor(url: str | None, timeout: float, *, driver: CudaDriver | None = None,
+               engine_fraction: float = 0.9, box: Box | None = None) -> list[Check]:
+    """Every check as (check, result, ok). ``driver`` replaces cuda-python (tests);
+    ``engine_fraction`` is the engine's share of GPU memory (vLLM's
+    ``--gpu-memory-utilization``) for the L1 advice; ``box`` receives the facts."""
     from . import __version__
 
+    box = box if box is not None else Box()
     rows: list[Check] = [
         ("lmcache_mp", __version__, True),
-        ("python", f"{platform.python_version()} ({sys.executable})", True),
+        ("python", f"{platform.python_version()} ({sys.executable}, "
+                   f"{platform.machine()})", True),
     ]
     try:
-        rows.extend(_cuda_checks(driver))
+        rows.extend(_cuda_checks(driver, box))
     except Exception as exc:  # the doctor must report, not crash
         rows.append(("CUDA", f"check failed unexpectedly: {exc!r}", False))
-    rows.append(_shm_check())
+    rows.extend(host_facts(box))
     if url is None:
         rows.append(("server", "not checked (pass --url tcp://HOST:PORT)", True))
     else:
-        rows.extend(_server_checks(url, timeout))
+        server = _server_checks(url, timeout)
+        rows.extend(server)
+        if server[0][2]:
+            try:
+                rows.extend(server_sharing(url, timeout, box))
+            except Exception as exc:  # the doctor must report, not crash
+                rows.append(("SHM round trip", f"check failed unexpectedly: {exc!r}", False))
+    rows.extend(recommend(box, engine_fraction))
     return rows
 
 
@@ -184,10 +195,10 @@ def format_report(rows: list[Check]) -> str:
                      for name, result, ok in rows)
 
 
-def main_doctor(url: str | None, timeout: float) -> int:
+def main_doctor(url: str | None, timeout: float, engine_fraction: float = 0.9) -> int:
     """Print the report; 1 if a requested server check failed, else 0 (a machine
     without CUDA is a valid client host for CPU caches)."""
-    rows = run_doctor(url, timeout)
+    rows = run_doctor(url, timeout, engine_fraction=engine_fraction)
     print(format_report(rows))
     failed_server = url is not None and any(name == "server" and not ok
                                             for name, _, ok in rows)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import mmap
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import ProtocolMismatch
-from .ipc.base import STORAGE_DTYPES, KVGeometry
+from .ipc.base import STORAGE_DTYPES, ExportableKVCache, KVGeometry
 from .ipc.cpu_cache import CpuKVCache
 from .ipc.shm import map_existing
 from .protocol.types import PoolSlot
@@ -97,7 +98,7 @@ class PoolMaps:
                 self._maps[key] = (entry[0], entry[1], entry[2] - 1)
                 return
             del self._maps[key]
-        _unmap(entry[0])
+        _unmap(entry[0], entry[1])
 
     def close(self) -> None:
         with self._lock:
@@ -106,14 +107,18 @@ class PoolMaps:
             workers, self._workers = self._workers, None
         if workers is not None:
             workers.close()
-        for pool, _view, _users in entries:
-            _unmap(pool)
+        for pool, view, _users in entries:
+            _unmap(pool, view)
 
     def __len__(self) -> int:
         return len(self._maps)
 
 
-def _unmap(pool: mmap.mmap) -> None:
+def _unmap(pool: mmap.mmap, view: np.ndarray) -> None:
+    # A GPU cache's copies page-locked the pool: undo that first (only they import it).
+    staging = sys.modules.get("lmcache_mp.ipc.cuda.staging")
+    if staging is not None:
+        staging.unpin(view)
     try:
         pool.close()
     except BufferError:
@@ -141,13 +146,14 @@ def slot_view(pool: Pool, slot: PoolSlot, g: KVGeometry, chunk_size: int) -> np.
 
 
 def copy_into_slots(
-    cache: CpuKVCache,
+    cache: ExportableKVCache,
     ids: np.ndarray,
     slots: Sequence[PoolSlot],
     chunk_indices: Sequence[int],
     pool: Pool,
     chunk_size: int,
     workers: CopyWorkers | None = None,
+    stream: Any = None,
 ) -> None:
     """PREPARE_STORE's slots are filled from the blocks of their chunk of the key. The
     whole context is checked before a byte is copied (ProtocolMismatch: none was)."""
@@ -168,6 +174,12 @@ def copy_into_slots(
     # Every slot is checked before the first copy: a context that is wrong anywhere
     # writes nothing.
     targets = [slot_view(pool, slot, g, chunk_size) for slot in slots]
+    if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
+        from .ipc.cuda.staging import device_copy_into_slots
+
+        device_copy_into_slots(cache, ids, targets, chunk_indices, pool.view, chunk_size,
+                               stream)
+        return
     from .ipc.paged_copy import gather_tasks
 
     tasks: list[Task] = []
@@ -177,13 +189,14 @@ def copy_into_slots(
 
 
 def copy_from_slots(
-    cache: CpuKVCache,
+    cache: ExportableKVCache,
     ids: np.ndarray,
     slots: Sequence[PoolSlot],
     pool: Pool,
     chunk_size: int,
     skip_first_n_tokens: int,
     workers: CopyWorkers | None = None,
+    stream: Any = None,
 ) -> None:
     """PREPARE_RETRIEVE's slots (one per chunk of the key, in order) are copied into the
     blocks, leaving the first ``skip_first_n_tokens`` (whole blocks) untouched. Every slot
@@ -195,6 +208,11 @@ def copy_from_slots(
                                f"{len(ids) // per_chunk} chunks")
     sources = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     skip_blocks = skip_first_n_tokens // g.block_size
+    if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
+        from .ipc.cuda.staging import device_copy_from_slots
+
+        device_copy_from_slots(cache, ids, sources, pool.view, chunk_size, skip_blocks, stream)
+        return
     from .ipc.paged_copy import scatter_tasks
 
     tasks: list[Task] = []

@@ -199,6 +199,20 @@ class Registration:
             binding = self._register_on_server(deadline)
         self._bind(binding, sent_at)
 
+    def _establish_engine_only(self, deadline: float) -> None:
+        """The first REGISTER of a cache that only engine-driven transfers can move (a GPU
+        cache CUDA IPC cannot export): a server without the handler or a pool is told
+        at once, not waited out."""
+        sent_at = time.monotonic()
+        binding = self._try_engine_driven(deadline)
+        if binding is None:
+            raise ProtocolMismatch(
+                "CUDA IPC cannot share this GPU cache's memory, so only engine-driven "
+                "transfers can move it, and the server offers no engine-driven handler or "
+                "no shared-memory L1 pool: start it with --supported-transfer-mode auto "
+                "--shm-name NAME (the name is needed from 0.5.4) --no-l1-use-lazy")
+        self._bind(binding, sent_at)
+
     def _try_engine_driven(self, deadline: float) -> Binding | None:
         conn = self._conn
         transport = conn.transport
@@ -346,12 +360,13 @@ class Registration:
         """STORE tokens ``[key.start, key.end)`` held in ``block_ids`` (one id per block
         of the range, in order; one list per group for multi-group caches). True when
         stored (chunks cached already count as stored). The chunks become visible to
-        LOOKUP shortly after the reply. ``stream`` (CUDA caches): the server's copy
-        starts after work queued on it, and it waits for the copy."""
+        LOOKUP shortly after the reply. ``stream`` (CUDA caches): the copy starts after
+        work queued on it (the server's, or in engine-driven mode this client's CUDA
+        copies, synchronised before COMMIT_STORE)."""
         deadline = time.monotonic() + self._conn.seconds(timeout)
         groups = self._checked(key, block_ids, "STORE")
         if self.mode == "engine":
-            return transfers.engine_store(self, key, groups, deadline)
+            return transfers.engine_store(self, key, groups, deadline, stream)
         return transfers.server_copy(self, "STORE", key, groups, (), deadline, stream)
 
     store = blocking(store_async)
@@ -363,7 +378,8 @@ class Registration:
         hit covering the range first (the retrieve releases its read locks); False when
         a chunk is missing. ``skip_first_n_tokens`` (from ``start``, rounded down to
         whole blocks) leaves leading blocks untouched. ``stream`` (CUDA caches): made to
-        wait for the server's copy before reading."""
+        wait for the server's copy before reading (engine-driven: this client's copies
+        run on it and have finished when the call returns)."""
         deadline = time.monotonic() + self._conn.seconds(timeout)
         groups = self._checked(key, block_ids, "RETRIEVE")
         if (not is_int(skip_first_n_tokens)
@@ -371,7 +387,8 @@ class Registration:
             raise InvalidArgument(f"skip_first_n_tokens must be an int in "
                                   f"[0, {key.end - key.start}], got {skip_first_n_tokens!r}")
         if self.mode == "engine":
-            return transfers.engine_retrieve(self, key, groups, skip_first_n_tokens, deadline)
+            return transfers.engine_retrieve(self, key, groups, skip_first_n_tokens, deadline,
+                                             stream)
         return transfers.server_copy(self, "RETRIEVE", key, groups, (skip_first_n_tokens,),
                                      deadline, stream)
 

@@ -28,7 +28,6 @@ from .errors import (
     ServerUnavailable,
 )
 from .futures import ReplyFuture
-from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 from .protocol import decode_reply
 from .protocol.operations import Operation
@@ -95,11 +94,11 @@ def _prepare(reg: Registration, op_name: str, key: CacheKey,
 
 
 def engine_store(reg: Registration, key: CacheKey, groups: list[list[int]],
-                 deadline: float) -> ReplyFuture[bool]:
+                 deadline: float, stream: Any = None) -> ReplyFuture[bool]:
     """PREPARE_STORE, copy the blocks into the reserved slots, COMMIT_STORE (chunks
     already cached get no slot: nothing to do for them)."""
     cache = reg.cache
-    assert isinstance(cache, CpuKVCache)  # enforced at registration
+    # A CpuKVCache, or a GPU cache (CUDA copies on ``stream``; enforced at registration).
     b, wire, op, frames = _prepare(reg, "PREPARE_STORE", key, deadline)
     commit = (wire, reg.instance_id, b"")
     try:
@@ -111,7 +110,8 @@ def engine_store(reg: Registration, key: CacheKey, groups: list[list[int]],
         import numpy as np  # loaded on the first engine-driven copy, not at import
 
         copy_into_slots(cache, np.asarray(groups[0], dtype=np.int64), ctx.slots,
-                        ctx.chunk_indices, b.pool, reg.chunk_size, reg._owner.pools.workers)
+                        ctx.chunk_indices, b.pool, reg.chunk_size, reg._owner.pools.workers,
+                        stream)
     except BaseException as exc:
         # The server holds a write reservation until COMMIT_STORE (else until its write
         # TTL, 600 s, or the unregister; either way it then publishes the slots as they
@@ -128,11 +128,10 @@ def engine_store(reg: Registration, key: CacheKey, groups: list[list[int]],
 
 
 def engine_retrieve(reg: Registration, key: CacheKey, groups: list[list[int]], skip: int,
-                    deadline: float) -> ReplyFuture[bool]:
+                    deadline: float, stream: Any = None) -> ReplyFuture[bool]:
     """PREPARE_RETRIEVE, copy the slots into the blocks, COMMIT_RETRIEVE (which releases
     the LOOKUP's read locks, also when the reply was unreadable or the copy failed)."""
     cache = reg.cache
-    assert isinstance(cache, CpuKVCache)
     b, wire, op, frames = _prepare(reg, "PREPARE_RETRIEVE", key, deadline)
     commit = (wire, reg.instance_id)
     try:
@@ -144,7 +143,7 @@ def engine_retrieve(reg: Registration, key: CacheKey, groups: list[list[int]], s
 
         copy_from_slots(cache, np.asarray(groups[0], dtype=np.int64),
                         prepared.context.slots, b.pool, reg.chunk_size, skip,
-                        reg._owner.pools.workers)
+                        reg._owner.pools.workers, stream)
     except BaseException as exc:
         _release(reg, "COMMIT_RETRIEVE", commit, b, deadline)
         if isinstance(exc, ProtocolMismatch):

@@ -8,6 +8,12 @@ compare on the GPU: destination == source bit for bit, every other block unchang
 Then UNREGISTER. Sides:
 
 * torch_ipc / raw / auto: lmcache_mp + CudaKVCache with that wrapper form
+* engine:                 lmcache_mp + CudaKVCache registered with mode="engine": this
+                          client copies between the GPU blocks and the server's SHM L1
+                          pool with CUDA copies (no CUDA IPC; lmcache_mp.ipc.cuda.staging),
+                          plus plain device<->pinned-host copies of the same bytes as the
+                          bandwidth reference (server started with --shm-name and
+                          --no-l1-use-lazy by gpu_check.sh)
 * lmcache:                LMCache's own worker client (LMCacheDrivenTransferContext over
                           its MessageQueueClient (0.5.3) or RequestClient (0.5.6)),
                           the way vLLM's adapter drives it, producer event kept alive
@@ -48,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SIDES = ("torch_ipc", "raw", "auto", "lmcache")
+SIDES = ("torch_ipc", "raw", "auto", "lmcache", "engine")
 MIN_SIDE_SECONDS = 15.0  # a side is not started with less time than this left
 
 
@@ -68,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a side still running after this long is recorded as hung")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="wall-clock time (epoch seconds) by which this run must end")
-    p.add_argument("--sides", default="torch_ipc,raw,lmcache",
+    p.add_argument("--sides", default="torch_ipc,raw,lmcache,engine",
                    help=f"which clients to run, from {', '.join(SIDES)}")
     p.add_argument("--out", help="write the results as JSON here (after every side)")
     p.add_argument("--cpu-dry-run", action="store_true",
@@ -211,6 +217,58 @@ class OursSide(Side):
         self.layers = []
         self.cache.close()
         self.client.close()
+
+
+class EngineSide(OursSide):
+    """Engine-driven: the same cache registered with mode="engine" (a Registration)."""
+
+    def __init__(self, args: argparse.Namespace, layout: Layout, model: str) -> None:
+        super().__init__(args, layout, "auto", model)
+        self.name = "ours (engine-driven)"
+        self.reg: Any = None
+
+    def register(self) -> float:
+        start = time.perf_counter()
+        self.reg = self.client.register(self.cache, model_name=self.model, mode="engine",
+                                        instance_id=self.instance_id,
+                                        timeout=self.args.register_timeout)
+        self.registered = True
+        return time.perf_counter() - start
+
+    def store(self, tokens: list[int], size: int, blocks: list[int], rid: str) -> bool:
+        return bool(self.reg.store(self._key(tokens, size, rid), blocks))
+
+    def retrieve(self, tokens: list[int], size: int, blocks: list[int], rid: str) -> bool:
+        return bool(self.reg.retrieve(self._key(tokens, size, rid), blocks))
+
+    def unregister(self) -> None:
+        if self.registered:
+            self.registered = False
+            self.reg.unregister()
+
+    def memcpy_gbps(self, nbytes: int, reps: int) -> tuple[float, float]:
+        """Device->pinned-host and back, ``nbytes`` in one copy each (cudaMemcpy via
+        torch): the bandwidth the engine-driven copies are measured against."""
+        import torch
+
+        if self.args.cpu_dry_run:
+            dev = torch.empty(nbytes, dtype=torch.uint8)
+            host = torch.empty(nbytes, dtype=torch.uint8)
+        else:
+            dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        d2h, h2d = [], []
+        for _ in range(reps):
+            synchronize(self.args)
+            start = time.perf_counter()
+            host.copy_(dev)
+            synchronize(self.args)
+            d2h.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            dev.copy_(host)
+            synchronize(self.args)
+            h2d.append(time.perf_counter() - start)
+        return nbytes / min(d2h) / 1e9, nbytes / min(h2d) / 1e9
 
 
 class LMCacheSide(Side):
@@ -433,8 +491,12 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
         # Unique per run: a server that already holds these chunks would skip the STORE.
         model = f"gpu-check-{run.name}-{os.getpid()}-{time.time_ns() % 10**9}"
         res["step"] = "connect and allocate"
-        side = LMCacheSide(args, layout, model) if run.name == "lmcache" else OursSide(
-            args, layout, run.name, model)
+        if run.name == "lmcache":
+            side = LMCacheSide(args, layout, model)
+        elif run.name == "engine":
+            side = EngineSide(args, layout, model)
+        else:
+            side = OursSide(args, layout, run.name, model)
         run.side = side
         res["side"] = side.name
         dev = side.layers[0].device
@@ -496,6 +558,10 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
             res.setdefault("store_gbps_median", {})[size] = moved / statistics.median(stores) / 1e9
             res.setdefault("retrieve_gbps_median", {})[size] = (
                 moved / statistics.median(retrieves) / 1e9)
+            if isinstance(side, EngineSide):
+                d2h, h2d = side.memcpy_gbps(moved, args.reps)
+                res.setdefault("memcpy_d2h_gbps", {})[size] = d2h
+                res.setdefault("memcpy_h2d_gbps", {})[size] = h2d
         res["step"] = "unregister"
         side.unregister()
         res["ok"] = ok
@@ -566,6 +632,12 @@ def table(results: list[dict[str, Any]], sizes: list[int]) -> str:
         rows.append([f"store GB/s {size} tok", *(cell(r, "store_gbps", size) for r in results)])
         rows.append([f"retrieve GB/s {size} tok",
                      *(cell(r, "retrieve_gbps", size) for r in results)])
+        if any(r.get("memcpy_d2h_gbps") for r in results):
+            # The engine-driven side's reference: plain copies of the same bytes.
+            rows.append([f"D2H copy GB/s {size} tok",
+                         *(cell(r, "memcpy_d2h_gbps", size) for r in results)])
+            rows.append([f"H2D copy GB/s {size} tok",
+                         *(cell(r, "memcpy_h2d_gbps", size) for r in results)])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
              for row in rows]

@@ -69,7 +69,7 @@ interrupted=""
 finished=0
 current=""        # the step running now
 step_pid=""
-declare -A server_pid=() rel_path=()
+declare -A server_pid=() rel_path=() server_shm=()
 : >"$OUT/run.log"
 
 log() { echo "[gpu_check $(printf '%4d' "$SECONDS")s] $*" | tee -a "$OUT/run.log"; }
@@ -190,6 +190,7 @@ stop_server() {  # rel
   wait "$pid" 2>/dev/null
   # SIGKILL leaves the server's L1 segment behind: remove it by its pid.
   rm -f "/dev/shm/lmcache_l1_pool_$pid"
+  [ -z "${server_shm[$rel]:-}" ] || rm -f "/dev/shm/${server_shm[$rel]}"
   unset "server_pid[$rel]"
 }
 
@@ -310,7 +311,16 @@ for rel in "${releases[@]}"; do
     continue
   fi
   slog=$OUT/server-$rel.log
-  args=(--host 127.0.0.1 --port "$port" --l1-size-gb 1 --eviction-policy LRU --disable-observability)
+  # Both transfer modes, and an L1 pool in shared memory for the engine-driven side (a
+  # GPU host allocates L1 lazily unless told not to, and then offers no pool).
+  # 0.5.3 names its pool lmcache_l1_pool_<pid> by default; 0.5.4+ need a name.
+  shm_args=()
+  if [ "$rel" != 0.5.3 ]; then
+    server_shm[$rel]=lmcache_l1_pool_gpucheck$port
+    shm_args=(--shm-name "${server_shm[$rel]}")
+  fi
+  args=(--host 127.0.0.1 --port "$port" --l1-size-gb 1 --eviction-policy LRU --disable-observability
+        --supported-transfer-mode auto "${shm_args[@]}" --no-l1-use-lazy)
   [[ ",$fault," == *",server-start:$rel,"* ]] && args+=(--gpu-check-provoked-bad-flag)
   t0=$SECONDS
   PYTHONPATH=$path LMCACHE_DISABLE_BANNER=1 LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 \
@@ -433,7 +443,7 @@ else
     run_step pytest "$t" env PYTHONPATH="$site/common:$repo" LMCACHE_MP_SKIP_LIVE=1 \
       "$test_py" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_live.py \
       tests/test_cuda_events.py tests/test_cuda_exporter.py tests/test_cuda_vmm.py \
-      tests/test_codec_fixtures.py
+      tests/test_codec_fixtures.py tests/test_cuda_engine_driven.py tests/test_doctor_box.py
     rc=$?
     line=$(grep -E "passed|failed|error" "$work/step.log" | tail -1)
     if ((rc == 0)); then record pytest ok "$line" $((SECONDS - t0))

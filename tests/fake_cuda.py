@@ -9,8 +9,11 @@ it would fail the multi-device tests.
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
+
+import numpy as np
 
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaError, DeviceInfo, torch_uuid_string
 
@@ -37,6 +40,32 @@ class FakeDriver:
         self.vmm_types: dict[int, int] = {}
         self.vmm_retained: dict[int, int] = {}
         self.vmm_fds: list[int] = []
+        # Engine-driven copies and the doctor (staging.CopyDriver): device memory is
+        # backed by numpy buffers (made on first use), host memory is real memory;
+        # copies are queued per stream and run at its synchronisation, so a transfer
+        # that did not synchronise before COMMIT leaves nothing in the pool.
+        self.backing: dict[int, np.ndarray] = {}
+        self.pinned: dict[int, int] = {}  # host address -> bytes (cudaHostRegister)
+        self.unpinned: list[int] = []
+        self.allow_pageable = False  # copies from unpinned host memory (else asserted)
+        self.fail_host_register = False
+        self.refuse_3d = False  # memcpy_3d_async raises (the 2-D fallback)
+        self.queued: list[tuple[int, Any]] = []  # (stream, copy)
+        self.ipc_supported = True  # False: Tegra (cudaIpcGetMemHandle unsupported)
+        self.compute_capability = (9, 0)
+        self.total_memory = 1 << 30
+        self.free_memory = 1 << 29
+        self.attributes: dict[str, int] = {"Integrated": 0, "PageableMemoryAccess": 0,
+                                           "ConcurrentManagedAccess": 1}
+
+    def gb10(self) -> FakeDriver:
+        """Look like a DGX Spark: sm_121, integrated, pageable memory access."""
+        self.compute_capability = (12, 1)
+        self.total_memory = 128 << 30
+        self.free_memory = 100 << 30
+        self.attributes.update(Integrated=1, PageableMemoryAccess=1,
+                               PageableMemoryAccessUsesHostPageTables=1)
+        return self
 
     # versions / devices
     def bindings_version(self) -> str:
@@ -53,7 +82,8 @@ class FakeDriver:
 
     def device_info(self, device: int) -> DeviceInfo:
         raw = bytes([device]) + UUID16[1:]
-        return DeviceInfo(device, f"Fake GPU {device}", torch_uuid_string(raw), 1 << 30, (9, 0))
+        return DeviceInfo(device, f"Fake GPU {device}", torch_uuid_string(raw),
+                          self.total_memory, self.compute_capability)
 
     def get_device(self) -> int:
         return self.device
@@ -87,6 +117,7 @@ class FakeDriver:
 
     def synchronize_device(self) -> None:
         self.calls.append(("sync_device",))
+        self.run_queued()
 
     def _find(self, ptr: int) -> tuple[int, int, int, str] | None:
         for base, (size, dev, kind) in self.allocs.items():
@@ -150,6 +181,9 @@ class FakeDriver:
 
     def ipc_get_mem_handle(self, ptr: int) -> bytes:
         assert ptr in self.allocs, "always exported at the base"
+        if not self.ipc_supported:
+            raise CudaError("cudaIpcGetMemHandle failed: cudaErrorNotSupported (801)",
+                            call="cudaIpcGetMemHandle", code=801)
         self.calls.append(("ipc_mem", ptr))
         return ptr.to_bytes(8, "little") * 8
 
@@ -192,3 +226,80 @@ class FakeDriver:
 
     def stream_synchronize(self, stream: int) -> None:
         self.calls.append(("stream_sync", stream))
+        self.run_queued(stream)
+
+    # engine-driven copies and the doctor
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        self.calls.append(("host_register", ptr, nbytes))
+        if self.fail_host_register:
+            raise CudaError("cudaHostRegister failed: cudaErrorMemoryAllocation (2)",
+                            call="cudaHostRegister", code=2)
+        assert ptr not in self.pinned, "pinned twice"
+        self.pinned[ptr] = nbytes
+
+    def host_unregister(self, ptr: int) -> None:
+        self.calls.append(("host_unregister", ptr))
+        assert ptr in self.pinned, "unregistering memory that was not registered"
+        del self.pinned[ptr]
+        self.unpinned.append(ptr)
+
+    def _memory(self, ptr: int, nbytes: int) -> np.ndarray:
+        found = self._find(ptr)
+        if found is not None:
+            base, size, _, _ = found
+            assert ptr + nbytes <= base + size, "a copy runs past its allocation"
+            buf = self.backing.setdefault(base, np.zeros(size, np.uint8))
+            return buf[ptr - base: ptr - base + nbytes]
+        pinned = any(a <= ptr and ptr + nbytes <= a + n for a, n in self.pinned.items())
+        assert pinned or self.allow_pageable, f"host memory 0x{ptr:x} is not page-locked"
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+    def memcpy_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                        height: int, stream: int) -> None:
+        self.calls.append(("memcpy2d", dst, dpitch, src, spitch, width, height, stream))
+        assert width <= dpitch and width <= spitch
+
+        def run() -> None:
+            for r in range(height):
+                self._memory(dst + r * dpitch, width)[:] = self._memory(src + r * spitch, width)
+
+        self.queued.append((stream, run))
+
+    def memcpy_3d_async(self, dst: int, dpitch: int, dheight: int, src: int, spitch: int,
+                        sheight: int, width: int, height: int, depth: int,
+                        stream: int) -> None:
+        """Linear memory as CUDA addresses it: byte (x, y, z) of a pitched pointer is at
+        ``ptr + z * pitch * pitch_height + y * pitch + x``."""
+        self.calls.append(("memcpy3d", dst, dpitch, dheight, src, spitch, sheight, width,
+                           height, depth, stream))
+        if self.refuse_3d:
+            raise CudaError("cudaMemcpy3DAsync failed: cudaErrorInvalidValue (1)",
+                            call="cudaMemcpy3DAsync", code=1)
+        assert width <= dpitch and width <= spitch and height <= dheight and height <= sheight
+
+        def run() -> None:
+            for z in range(depth):
+                for y in range(height):
+                    self._memory(dst + (z * dheight + y) * dpitch, width)[:] = self._memory(
+                        src + (z * sheight + y) * spitch, width)
+
+        self.queued.append((stream, run))
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        self.calls.append(("memcpy", dst, src, nbytes))
+        self._memory(dst, nbytes)[:] = self._memory(src, nbytes)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.free_memory, self.total_memory
+
+    def device_attribute(self, device: int, name: str) -> int | None:
+        return self.attributes.get(name)
+
+    def run_queued(self, stream: int | None = None) -> None:
+        keep = []
+        for s, run in self.queued:
+            if stream is None or s == stream:
+                run()
+            else:
+                keep.append((s, run))
+        self.queued = keep

@@ -94,10 +94,14 @@ def test_register_payloads_refuse_what_the_server_cannot_open(family: str) -> No
     cache.close()
 
 
-def test_memory_created_without_a_shareable_type_is_refused_and_leaks_nothing() -> None:
+def test_memory_created_without_a_shareable_type_is_engine_only_and_leaks_nothing() -> None:
+    """No shareable handle type: the server cannot map it, this process still can (the
+    engine-driven copies of issue 14); a server-copy export says why, nothing leaks."""
     drv = FakeDriver()
-    with pytest.raises(InvalidArgument, match="layer 0: .*requestedHandleTypes has neither"):
-        vmm_cache(drv, 0)
+    cache, _ = vmm_cache(drv, 0)
+    assert not cache.ipc_exportable and not cache.server_mappable
+    with pytest.raises(InvalidArgument, match="requestedHandleTypes has neither"):
+        cache.export_layers()
     assert drv.vmm_fds == [] and set(drv.vmm_retained.values()) == {0}
 
 
@@ -131,8 +135,10 @@ def test_export_allocation_alone_still_refuses_vmm_memory_with_the_way_out() -> 
 def test_pool_memory_is_never_taken_for_vmm() -> None:
     drv = FakeDriver()
     base = drv.add_alloc(1 << 20, kind="pool")
+    cache = CudaKVCache.from_pointers([base], driver=drv, **GEOM)  # type: ignore[arg-type]
+    assert not cache.ipc_exportable  # engine-driven only
     with pytest.raises(InvalidArgument, match="stream-ordered memory pool"):
-        CudaKVCache.from_pointers([base], driver=drv, **GEOM)  # type: ignore[arg-type]
+        cache.export_layers()
     assert not any(c[0] == "vmm_retain" for c in drv.calls)
 
 

@@ -39,7 +39,6 @@ from .export import (
     check_device_index,
     check_server_event,
     default_stream,
-    export_allocation,
     on_device,
     stream_handle,
     torch_layer_layout,
@@ -134,6 +133,7 @@ class CudaKVCache:
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
+        from .staging import export_or_local  # staging imports this module
         allocations: list[DeviceAllocation] = []
         with on_device(drv, device):
             try:
@@ -144,7 +144,7 @@ class CudaKVCache:
                     drv.memset(ptr, 0, geometry.layer_nbytes)
                 # cudaMemset is asynchronous to the host; finish before handing out.
                 drv.synchronize_device()
-                exports = [export_allocation(a.ptr, a.nbytes, driver=drv) for a in allocations]
+                exports = [export_or_local(drv, a.ptr, a.nbytes, False) for a in allocations]
             except BaseException:
                 for a in allocations:
                     a.free()
@@ -183,12 +183,12 @@ class CudaKVCache:
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
+        from .staging import export_or_local  # staging imports this module
         with on_device(drv, device):
             exports: list[ExportedAllocation] = []
             for i, ptr in enumerate(ptrs):
                 try:
-                    exp = export_allocation(ptr, geometry.layer_nbytes, driver=drv,
-                                            allow_offset=True, vmm=True)
+                    exp = export_or_local(drv, ptr, geometry.layer_nbytes, True, vmm=True)
                 except InvalidArgument as exc:
                     for done in exports:  # close the fds exported so far
                         if done.vmm is not None:
@@ -264,6 +264,25 @@ class CudaKVCache:
             self._torch_layers = layers
         return self._torch_layers
 
+    #: This cache can be registered with ``mode="engine"``: the client copies its blocks
+    #: through the server's shared-memory pool (:mod:`.staging`).
+    supports_engine_driven = True
+
+    @property
+    def ipc_exportable(self) -> bool:
+        """Whether CUDA IPC can share every layer (needed by ``mode="lmcache"``). False
+        for VMM or pool memory, or where CUDA IPC is unsupported (Tegra): such a cache
+        is registered in engine-driven mode (``mode="auto"`` picks it)."""
+        return all(e.handle or e.vmm is not None for e in self._exports)
+
+    @property
+    def server_mappable(self) -> bool:
+        """Whether a released LMCache server can map every layer: a legacy handle, or a
+        VMM fabric export. A POSIX-fd VMM export is exportable, but no release ships the
+        fd hand-off it needs, so ``mode="auto"`` registers such a cache engine-driven."""
+        return all(e.handle or (e.vmm is not None and e.vmm.kind == "fabric")
+                   for e in self._exports)
+
     @property
     def unlinked(self) -> bool:
         # CUDA handles stay valid until the memory is freed: a cache can be registered
@@ -281,6 +300,14 @@ class CudaKVCache:
     # ------------------------------------------------ ExportableKVCache
     def export_layers(self) -> list[LayerExport]:
         self._check_open()
+        if not self.ipc_exportable:
+            reasons = sorted({e.local_reason for e in self._exports if e.local_reason})
+            raise InvalidArgument(
+                "this cache's memory cannot be shared with the server (memory-pool memory, "
+                "VMM memory without a shareable handle type, or a device without CUDA IPC "
+                "such as Tegra), so the server cannot map it: register with mode='engine' "
+                "(or 'auto'), which copies blocks through the server's shared-memory pool "
+                "instead" + (f". Why: {'; '.join(reasons)}" if reasons else ""))
         g = self.geometry
         return [
             CudaLayerExport(ipc_handle=e.handle, nbytes=g.layer_nbytes, alloc_offset=e.offset,

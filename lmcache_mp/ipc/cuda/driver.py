@@ -43,6 +43,7 @@ TIMELINE_EVENT_HANDLE_SIZE = 81
 EVENT_INTERPROCESS = 0x04
 EVENT_DISABLE_TIMING = 0x02
 CU_MEMORYTYPE_DEVICE = 2
+HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 
 
 # ---------------------------------------------------------------------- errors
@@ -385,6 +386,51 @@ class CudaBindingsDriver:
 
     def vmm_release(self, handle: Any) -> None:
         self._cu_call("cuMemRelease", handle)
+    # -- engine-driven copies and the doctor (lmcache_mp.ipc.cuda.staging, doctor):
+    # they satisfy staging.CopyDriver, a CudaDriver with these calls as well.
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        # Portable: the pinning holds for every context, whichever device copies.
+        self._rt_call("cudaHostRegister", ptr, nbytes, HOST_REGISTER_PORTABLE)
+
+    def host_unregister(self, ptr: int) -> None:
+        self._rt_call("cudaHostUnregister", ptr)
+
+    def memcpy_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                        height: int, stream: int) -> None:
+        # cudaMemcpyDefault: unified addressing tells host from device by the pointer.
+        self._rt_call("cudaMemcpy2DAsync", dst, dpitch, src, spitch, width, height,
+                      self._rt.cudaMemcpyKind.cudaMemcpyDefault, stream)
+
+    def memcpy_3d_async(self, dst: int, dpitch: int, dheight: int, src: int, spitch: int,
+                        sheight: int, width: int, height: int, depth: int,
+                        stream: int) -> None:
+        """``depth`` slices of ``height`` rows of ``width`` bytes; a slice is ``pitch *
+        pitch_height`` bytes on each side (linear memory, cudaMemcpyDefault)."""
+        rt = self._rt
+        try:
+            params = rt.cudaMemcpy3DParms()
+            params.srcPtr = rt.make_cudaPitchedPtr(src, spitch, width, sheight)
+            params.dstPtr = rt.make_cudaPitchedPtr(dst, dpitch, width, dheight)
+            params.extent = rt.make_cudaExtent(width, height, depth)
+            params.kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+        except Exception as exc:  # bindings without these helpers
+            raise CudaError(f"cudaMemcpy3DParms: {exc!r}", call="cudaMemcpy3DAsync") from exc
+        self._rt_call("cudaMemcpy3DAsync", params, stream)
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        self._rt_call("cudaMemcpy", dst, src, nbytes, self._rt.cudaMemcpyKind.cudaMemcpyDefault)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self._rt_call("cudaMemGetInfo")
+        return int(free), int(total)
+
+    def device_attribute(self, device: int, name: str) -> int | None:
+        """``cudaDevAttr<name>`` of ``device`` (e.g. "Integrated",
+        "PageableMemoryAccess"), or None when these bindings do not know it."""
+        attr = getattr(self._rt.cudaDeviceAttr, f"cudaDevAttr{name}", None)
+        if attr is None:
+            return None
+        return int(self._rt_call("cudaDeviceGetAttribute", attr, device)[0])
 
 
 _driver_lock = threading.Lock()

@@ -125,6 +125,9 @@ class ExportedAllocation:
     device: int
     # VMM memory: its export instead of a legacy handle (``handle`` is then empty).
     vmm: VmmShare | None = None
+    # Neither: memory only this process can reach (engine-driven mode only); why the
+    # server cannot map it, for the error a server-copy registration gets.
+    local_reason: str = ""
 
     @property
     def offset(self) -> int:

@@ -1,0 +1,332 @@
+"""Engine-driven transfers for GPU caches: this client copies between its CUDA KV
+blocks and the server's shared-memory L1 pool with CUDA copies, so nothing CUDA
+crosses the process boundary (no memory handle, no event handle).
+
+That is what works where CUDA IPC does not: memory from CUDA's virtual memory
+management (PyTorch ``expandable_segments``, vLLM's cumem allocator), Jetson-class
+(Tegra) devices, and containers that share only ``/dev/shm`` with the server.
+
+How one transfer runs (called from :mod:`lmcache_mp.engine_driven` between PREPARE_*
+and COMMIT_*, after every slot was checked):
+
+* the pool mapping is page-locked once (``cudaHostRegister``, portable), so copies to
+  and from it are DMA; a pool that cannot be pinned (``RLIMIT_MEMLOCK``) is copied
+  pageable, slower but correct. The pinning is undone before the pool is unmapped.
+  Like the rest of the memory layer this never imports :mod:`lmcache_mp.protocol`.
+* the copy plan (:func:`store_plan` / :func:`retrieve_plan`): a chunk object is
+  token-major (``[2, layers, tokens, heads * head_dim]``) and an HND block head-major,
+  so one ``cudaMemcpy3DAsync`` per (K/V, layer, head, run of consecutive block ids), or
+  a ``cudaMemcpy2DAsync`` per block of the run if the driver refuses 3-D copies; with
+  one head or MLA, rows are contiguous on both sides and runs become 1-D copies.
+* the copies go on the caller's stream, after the work already queued there (the
+  engine's writes of the blocks), and that stream is synchronised before returning:
+  for STORE because COMMIT_STORE publishes the slots, for RETRIEVE because
+  COMMIT_RETRIEVE releases the read locks that keep the server from reusing them. Work
+  the caller queues afterwards on that stream sees the retrieved blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ...errors import InvalidArgument
+from ..base import ExportableKVCache, KVGeometry
+from ..paged_copy import block_runs
+from .cache import CudaKVCache
+from .driver import CU_MEMORYTYPE_DEVICE, CudaDriver, CudaError
+from .export import ExportedAllocation, export_allocation, on_device
+
+__all__ = ["CopyDriver", "CopyPlan", "store_plan", "retrieve_plan", "run_plan",
+           "device_copy_into_slots", "device_copy_from_slots", "export_or_local",
+           "local_allocation",
+           "pinned_pools", "unpin"]
+
+log = logging.getLogger("lmcache_mp")
+
+
+class CopyDriver(CudaDriver, Protocol):
+    """The CUDA calls of engine-driven copies (CudaBindingsDriver has them; a driver
+    without ``memcpy_3d_async`` gets 2-D copies only)."""
+
+    def host_register(self, ptr: int, nbytes: int) -> None: ...
+    def host_unregister(self, ptr: int) -> None: ...
+    def memcpy_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                        height: int, stream: int) -> None: ...
+
+
+# ------------------------------------------------------------------ the plan
+@dataclass(frozen=True)
+class CopyPlan:
+    """Copy ``i`` moves ``depth[i]`` slices of ``height`` rows of ``width[i]`` bytes from
+    ``src[i]`` to ``dst[i]``: rows ``spitch`` / ``dpitch`` apart (0: contiguous), slices
+    ``slice_pitch`` apart on both sides (a run of consecutive blocks). In this order."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    width: np.ndarray
+    depth: np.ndarray
+    height: int
+    dpitch: int
+    spitch: int
+    slice_pitch: int = 0
+
+    def __len__(self) -> int:
+        return len(self.dst)
+
+    @property
+    def nbytes(self) -> int:
+        return int((self.width * self.depth).sum()) * self.height
+
+
+def _block_major(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
+                 chunk_tokens: int) -> tuple[np.ndarray, np.ndarray, int, int, int, int]:
+    """For every (K/V, layer) x block position x head, in that order: the block's device
+    address and the offset in the chunk object (arrays shaped ``[kv * layers, blocks,
+    heads]``; MLA: ``[layers, blocks, 1]``), then width, height, the pitch on the block
+    side and the pitch on the chunk side."""
+    it = g.itemsize
+    ids = np.asarray(ids, dtype=np.int64)
+    pos = np.arange(len(ids), dtype=np.int64)
+    layers = np.asarray(layer_ptrs, dtype=np.int64)
+    nl = len(layers)
+    if g.mla:
+        # layer [blocks, block_size, head_dim] -> object [layers, tokens, head_dim]
+        row = g.block_size * g.head_dim * it
+        dev = layers[:, None] + ids[None, :] * row
+        obj = (np.arange(nl, dtype=np.int64)[:, None] * chunk_tokens
+               + pos[None, :] * g.block_size) * g.head_dim * it
+        return dev[:, :, None], obj[:, :, None], row, 1, row, row
+    h, bs, d = g.num_heads, g.block_size, g.head_dim
+    kv = np.arange(2, dtype=np.int64)[:, None, None, None]
+    lay = np.arange(nl, dtype=np.int64)[None, :, None, None]
+    heads = np.arange(h, dtype=np.int64)[None, None, None, :]
+    # layer [2, num_blocks, heads, block_size, head_dim] (HND)
+    dev = (layers[None, :, None, None]
+           + ((kv * g.num_blocks + ids[None, None, :, None]) * h + heads) * bs * d * it)
+    # object [2, layers, tokens, heads * head_dim]: a head's rows are h * d apart
+    obj = (((kv * nl + lay) * chunk_tokens + pos[None, None, :, None] * bs) * h * d * it
+           + heads * d * it)
+    shape = (2 * nl, len(ids), h)
+    return dev.reshape(shape), obj.reshape(shape), d * it, bs, d * it, h * d * it
+
+
+def _build(g: KVGeometry, layer_ptrs: Sequence[int],
+           chunks: Sequence[tuple[np.ndarray, int, int]], chunk_tokens: int,
+           to_slots: bool) -> CopyPlan:
+    """The plan for ``chunks`` of ``(block ids, blocks to skip, slot address)``.
+
+    Several heads (HND): one copy per (K/V, layer, head, run of consecutive block ids):
+    a block's rows of one head are ``head_dim`` apart on the block side and ``heads *
+    head_dim`` apart in the chunk, so a block takes a 2-D copy, and the next block of a
+    run is one block (``heads * block_size * head_dim``) further on both sides, so a run
+    is a 3-D copy. One head or MLA: rows are contiguous on both sides, merged into 1-D
+    copies as long as the block ids run on."""
+    deep = not g.mla and g.num_heads > 1
+    devs, objs, depths = [], [], []
+    width = height = bpitch = cpitch = 0
+    for ids, skip, addr in chunks:
+        dev, obj, width, height, bpitch, cpitch = _block_major(g, layer_ptrs, ids, chunk_tokens)
+        if deep:
+            runs = block_runs(np.asarray(ids[skip:], dtype=np.int64))
+            at = np.array([skip + p for p, _, _ in runs], dtype=np.int64)
+            n = np.array([n for _, _, n in runs], dtype=np.int64)
+            dev, obj = dev[:, at, :], obj[:, at, :]
+            depths.append(np.broadcast_to(n[None, :, None], dev.shape).reshape(-1))
+        else:
+            dev, obj = dev[:, skip:, :], obj[:, skip:, :]
+            depths.append(np.ones(dev.size, np.int64))
+        devs.append(dev.reshape(-1))
+        objs.append(obj.reshape(-1) + int(addr))
+    dev_all = np.concatenate(devs) if devs else np.zeros(0, np.int64)
+    obj_all = np.concatenate(objs) if objs else np.zeros(0, np.int64)
+    depth = np.concatenate(depths) if depths else np.zeros(0, np.int64)
+    widths = np.full(len(dev_all), width, np.int64)
+    slice_pitch = g.num_heads * g.block_size * g.head_dim * g.itemsize if deep else 0
+    plan = (CopyPlan(obj_all, dev_all, widths, depth, height, cpitch, bpitch, slice_pitch)
+            if to_slots else
+            CopyPlan(dev_all, obj_all, widths, depth, height, bpitch, cpitch, slice_pitch))
+    return plan if deep else _merged(plan)
+
+
+def _merged(plan: CopyPlan) -> CopyPlan:
+    """Rows contiguous on both sides (one head, MLA) become one 1-D copy, and 1-D copies
+    that continue each other on both sides become one."""
+    if len(plan) == 0:
+        return plan
+    assert plan.height == 1 or plan.width[0] == plan.spitch == plan.dpitch
+    width = plan.width * plan.height
+    dst, src = plan.dst, plan.src
+    joins = (dst[1:] == dst[:-1] + width[:-1]) & (src[1:] == src[:-1] + width[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    widths = np.add.reduceat(width, starts)
+    return CopyPlan(dst[starts], src[starts], widths, np.ones(len(starts), np.int64), 1, 0, 0)
+
+
+def store_plan(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
+               slot_addrs: Sequence[int], chunk_indices: Sequence[int],
+               chunk_tokens: int) -> CopyPlan:
+    """Blocks -> slots: slot ``slot_addrs[i]`` gets chunk ``chunk_indices[i]`` of the
+    key, whose blocks are ``ids[ci * per_chunk : (ci + 1) * per_chunk]``."""
+    per = chunk_tokens // g.block_size
+    chunks = [(ids[ci * per:(ci + 1) * per], 0, int(addr))
+              for addr, ci in zip(slot_addrs, chunk_indices, strict=True)]
+    return _build(g, layer_ptrs, chunks, chunk_tokens, to_slots=True)
+
+
+def retrieve_plan(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
+                  slot_addrs: Sequence[int], chunk_tokens: int,
+                  skip_blocks: int) -> CopyPlan:
+    """Slots -> blocks: slot ``i`` holds chunk ``i`` of the key; the first
+    ``skip_blocks`` blocks of the key are left untouched."""
+    per = chunk_tokens // g.block_size
+    chunks = [(ids[ci * per:(ci + 1) * per], min(per, max(0, skip_blocks - ci * per)),
+               int(addr)) for ci, addr in enumerate(slot_addrs)]
+    return _build(g, layer_ptrs, chunks, chunk_tokens, to_slots=False)
+
+
+# Set once a driver refused a 3-D copy: runs are then sent as 2-D copies, block by block.
+_no_3d: list[str] = []
+
+
+def run_plan(drv: CopyDriver, plan: CopyPlan, stream: int) -> None:
+    """Enqueue every copy of ``plan`` on ``stream``, in order."""
+    height, dp, sp, zp = plan.height, plan.dpitch, plan.spitch, plan.slice_pitch
+    copy2d = drv.memcpy_2d_async
+    copy3d = None if _no_3d else getattr(drv, "memcpy_3d_async", None)
+    for dst, src, width, depth in zip(plan.dst.tolist(), plan.src.tolist(),
+                                      plan.width.tolist(), plan.depth.tolist(), strict=True):
+        if depth > 1 and copy3d is not None:
+            try:
+                copy3d(dst, dp, zp // dp, src, sp, zp // sp, width, height, depth, stream)
+                continue
+            except CudaError as exc:
+                # Raised before anything was queued: send this run and the rest as 2-D.
+                log.warning("lmcache_mp: cudaMemcpy3DAsync refused (%s); engine-driven "
+                            "copies use one 2-D copy per block from now on", exc)
+                _no_3d.append(str(exc))
+                copy3d = None
+        for z in range(depth):
+            copy2d(dst + z * zp, dp or width, src + z * zp, sp or width, width, height, stream)
+
+
+# ---------------------------------------------------- page-locking the pool
+_pin_lock = threading.Lock()
+# pool address -> (driver, device, nbytes), or None: could not be pinned (pageable).
+_pinned: dict[int, tuple[CopyDriver, int, int] | None] = {}
+
+
+def _ensure_pinned(drv: CopyDriver, device: int, view: np.ndarray) -> None:
+    address, nbytes = int(view.ctypes.data), int(view.nbytes)
+    with _pin_lock:
+        if address in _pinned:
+            return
+        try:
+            drv.host_register(address, nbytes)
+            _pinned[address] = (drv, device, nbytes)
+        except CudaError as exc:
+            # Pageable copies still work (staged by the driver): slower, not wrong.
+            log.warning("lmcache_mp: cannot page-lock the server's %d-byte L1 pool (%s); "
+                        "engine-driven GPU copies will be pageable and slower. Raise "
+                        "RLIMIT_MEMLOCK (ulimit -l) to fix this", nbytes, exc)
+            _pinned[address] = None
+
+
+def unpin(view: np.ndarray) -> None:
+    """Undo the pinning of a pool mapping (``engine_driven`` calls this before it
+    unmaps a pool, when this module was imported)."""
+    with _pin_lock:
+        entry = _pinned.pop(int(view.ctypes.data), None)
+    if entry is None:
+        return
+    drv, device, _ = entry
+    try:
+        with on_device(drv, device):
+            drv.host_unregister(int(view.ctypes.data))
+    except CudaError as exc:
+        log.warning("lmcache_mp: cudaHostUnregister of the L1 pool failed: %s", exc)
+
+
+def pinned_pools() -> dict[int, int | None]:
+    """Pool address -> pinned bytes (None: copied pageable). For tests and the doctor."""
+    with _pin_lock:
+        return {a: None if e is None else e[2] for a, e in _pinned.items()}
+
+
+# ------------------------------------------------- the engine-driven seam
+def _cache_parts(cache: ExportableKVCache, stream: Any) -> tuple[CudaKVCache, CopyDriver, int]:
+    if not isinstance(cache, CudaKVCache):
+        raise InvalidArgument(f"engine-driven CUDA copies need a CudaKVCache, got "
+                              f"{type(cache).__name__}")
+    if cache.closed:
+        raise InvalidArgument("this CudaKVCache is closed; allocate a new one")
+    drv: Any = cache._driver
+    return cache, drv, cache._stream(stream)
+
+
+def device_copy_into_slots(cache: ExportableKVCache, ids: np.ndarray, targets: Sequence[np.ndarray],
+                           chunk_indices: Sequence[int], pool_view: np.ndarray,
+                           chunk_tokens: int, stream: Any) -> None:
+    """STORE: copy the blocks of chunks ``chunk_indices`` into the checked slot views
+    ``targets`` (pool memory), and wait for the copies before returning."""
+    cuda, drv, handle = _cache_parts(cache, stream)
+    plan = store_plan(cuda.geometry, cuda.layer_ptrs, ids,
+                      [int(t.ctypes.data) for t in targets], chunk_indices, chunk_tokens)
+    with on_device(drv, cuda.device):
+        _ensure_pinned(drv, cuda.device, pool_view)
+        run_plan(drv, plan, handle)
+        drv.stream_synchronize(handle)
+
+
+def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: Sequence[np.ndarray],
+                           pool_view: np.ndarray, chunk_tokens: int, skip_blocks: int,
+                           stream: Any) -> None:
+    """RETRIEVE: copy the checked slot views ``sources`` into the blocks, leaving the
+    first ``skip_blocks`` alone, and wait for the copies before returning."""
+    cuda, drv, handle = _cache_parts(cache, stream)
+    plan = retrieve_plan(cuda.geometry, cuda.layer_ptrs, ids,
+                         [int(s.ctypes.data) for s in sources], chunk_tokens, skip_blocks)
+    with on_device(drv, cuda.device):
+        _ensure_pinned(drv, cuda.device, pool_view)
+        run_plan(drv, plan, handle)
+        drv.stream_synchronize(handle)
+
+
+# ------------------------------------- memory CUDA IPC cannot export
+def export_or_local(drv: CudaDriver, ptr: int, nbytes: int, allow_offset: bool,
+                    vmm: bool = False) -> ExportedAllocation:
+    """A layer's CUDA IPC export (with ``vmm``, VMM memory's shareable-handle export);
+    for device memory neither can share (pools, Tegra, VMM without a shareable handle
+    type) a handle-less record instead, usable in engine-driven mode only."""
+    try:
+        return export_allocation(ptr, nbytes, driver=drv, allow_offset=allow_offset,
+                                 vmm=vmm)
+    except (InvalidArgument, CudaError) as exc:
+        return local_allocation(drv, ptr, nbytes, exc)
+
+
+def local_allocation(drv: CudaDriver, ptr: int, nbytes: int,
+                     failure: Exception) -> ExportedAllocation:
+    """A layer that ``export_allocation`` refused (``failure``), kept for engine-driven
+    transfers when it is device memory that only CUDA IPC cannot share: VMM or pool
+    memory, or a device where ``cudaIpcGetMemHandle`` is not supported (Tegra). Its
+    handle is empty. Anything else re-raises ``failure``."""
+    if drv.pointer_attribute(ptr, "MEMORY_TYPE") != CU_MEMORYTYPE_DEVICE:
+        raise failure
+    ipc_refused = isinstance(failure, CudaError) and failure.call == "cudaIpcGetMemHandle"
+    not_capable = drv.pointer_attribute(ptr, "IS_LEGACY_CUDA_IPC_CAPABLE") == 0 or bool(
+        drv.pointer_attribute(ptr, "MEMPOOL_HANDLE"))
+    if not (ipc_refused or not_capable):
+        raise failure
+    base, size = drv.address_range(ptr)
+    if ptr - base + nbytes > size:
+        raise failure
+    device = drv.pointer_device(ptr)
+    return ExportedAllocation(b"", ptr, base, size, drv.get_device() if device is None
+                              else device, local_reason=str(failure))
+
