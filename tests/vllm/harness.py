@@ -26,7 +26,7 @@ import os
 import pickle
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -75,7 +75,6 @@ class RequestResult:
     prompt_len: int
     first_computed: int = -1      # tokens already computed when first scheduled
     verified: bool = True
-    output: list[int] = field(default_factory=list)
 
 
 class Engine:
@@ -126,6 +125,9 @@ class Engine:
             kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)],
         )
         self.config.cache_config.num_gpu_blocks = num_blocks
+        # What the engine core resolves before profiling (vLLM's default layout).
+        self.config.cache_config.kv_cache_layout = "NHD"
+        self.kv_cache_config.kv_cache_layout = "NHD"
         init_none_hash(sha256)
         self.hasher_fn = sha256
         with set_current_vllm_config(self.config):
@@ -260,14 +262,15 @@ class Engine:
                 return False
         return True
 
-    def drain(self, steps: int = 200) -> None:
-        """Run empty steps until the workers report every finished request's stores."""
+    def drain(self, steps: int = 400) -> None:
+        """Step until every finished request's blocks are released, i.e. the workers
+        reported its stores done (vLLM keeps such requests until then)."""
         for _ in range(steps):
-            if not self.scheduler.has_unfinished_requests() and not getattr(
-                    self.scheduler, "finished_recving_kv_req_ids", None) and \
-                    not _holding(self.scheduler):
+            if not self.scheduler.requests and not self.scheduler.has_requests():
                 return
             self.step()
+        raise RuntimeError(f"requests {list(self.scheduler.requests)} still held after "
+                           f"{steps} steps (their stores never reported done)")
 
     def shutdown(self) -> None:
         for w in self.workers:
@@ -277,29 +280,53 @@ class Engine:
             conn.shutdown()
 
 
-def _holding(scheduler: Any) -> bool:
-    # Requests whose blocks wait for the connector's stores (request_finished -> True).
-    return bool(getattr(scheduler, "finished_req_ids_dict", None) and False) or bool(
-        getattr(scheduler.kv_cache_manager, "_pending_free", None))
-
-
 def prompt(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (n,), generator=g).tolist()
 
 
 def main(spec_path: str) -> None:
-    """Run one scripted engine from a JSON spec and print its result as JSON."""
+    """Run one scripted engine from a JSON spec and print its result as one JSON line.
+
+    Spec: ``connector`` ("ours" | "lmcache"), ``extra`` (kv_connector_extra_config),
+    ``tp``, ``phases``: a list of ``{"requests": [{"id", "prompt", "salt"?}], "on_step":
+    {"N": [argv...]}}`` run one after the other on the same engine (``on_step`` runs a
+    command after step N of the phase, e.g. to restart the server mid-stream).
+    """
+    import subprocess
+    import time
+
     with open(spec_path) as f:
         spec = json.load(f)
     which = LMCACHE if spec["connector"] == "lmcache" else OURS
     eng = Engine(which, spec["extra"], tp=spec.get("tp", 1))
-    for r in spec["requests"]:
-        eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"))
-    res = eng.run()
-    eng.drain()
-    eng.shutdown()
-    print("RESULT " + json.dumps({rid: vars(r) for rid, r in res.items()}), flush=True)
+    out: dict[str, Any] = {"requests": {}, "phase_seconds": []}
+    try:
+        for phase in spec["phases"]:
+            t0 = time.monotonic()
+            for r in phase["requests"]:
+                eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"))
+            hooks = {int(k): v for k, v in phase.get("on_step", {}).items()}
+
+            def on_step(n: int, hooks: dict[int, list[str]] = hooks) -> None:
+                if n in hooks:
+                    subprocess.run(hooks[n], check=True)
+
+            eng.run(on_step=on_step)
+            eng.drain()
+            out["phase_seconds"].append(round(time.monotonic() - t0, 3))
+            if "sleep_after" in phase:
+                time.sleep(phase["sleep_after"])
+        out["requests"] = {rid: vars(r) for rid, r in eng.results.items()}
+        if which is OURS:
+            stats: dict[str, int] = {}
+            for w in eng.workers:
+                for k, v in w.worker.stats.items():
+                    stats[k] = stats.get(k, 0) + v
+            out["stats"] = stats
+    finally:
+        eng.shutdown()
+    print("RESULT " + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
