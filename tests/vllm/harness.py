@@ -154,7 +154,7 @@ class Engine:
         self.layer_names = layer_names
         self.results: dict[str, RequestResult] = {}
         self.tokens: dict[str, list[int]] = {}
-        self.loaded_tokens = 0
+        self._aggregator: Any = None
 
     # ------------------------------------------------------------------ requests
     def add(self, rid: str, prompt: list[int], *, max_tokens: int = 3,
@@ -171,17 +171,26 @@ class Engine:
         self.results[rid] = RequestResult(len(prompt))
         self.tokens[rid] = list(prompt)
 
-    def run(self, max_steps: int = 500, on_step: Any = None) -> dict[str, RequestResult]:
+    def run(self, deadline_s: float = 120.0, on_step: Any = None) -> dict[str, RequestResult]:
+        """Step until every request finished (a wall-clock limit: in-flight transfers
+        have their own deadlines, and an engine that never finishes is the failure)."""
+        import time as _time
+
+        limit = _time.monotonic() + deadline_s
         steps = 0
-        while self.scheduler.has_requests() and steps < max_steps:
+        while self.scheduler.has_requests():
+            if _time.monotonic() > limit:
+                raise RuntimeError(f"requests still unfinished after {deadline_s} s: "
+                                   f"{self._states()}")
             self.step()
             steps += 1
             if on_step is not None:
                 on_step(steps)
-        if self.scheduler.has_requests():
-            raise RuntimeError(f"requests still unfinished after {max_steps} steps")
-        # Finished requests' stores: the workers report them over the next steps.
         return self.results
+
+    def _states(self) -> dict[str, str]:
+        return {rid: f"{r.status.name} computed={r.num_computed_tokens}"
+                for rid, r in self.scheduler.requests.items()}
 
     def step(self) -> None:
         import time as _time
@@ -206,8 +215,10 @@ class Engine:
             outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={},
                                              kv_connector_output=kvo))
         kv_transfer_state._KV_CONNECTOR_AGENT = None
-        agg = KVOutputAggregator.from_connector(self.workers[0], len(self.workers))
-        kvo = agg.aggregate(outputs).kv_connector_output
+        if self._aggregator is None:  # one for the engine's life: it counts across steps
+            self._aggregator = KVOutputAggregator.from_connector(self.workers[0],
+                                                                 len(self.workers))
+        kvo = self._aggregator.aggregate(outputs).kv_connector_output
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -262,15 +273,17 @@ class Engine:
                 return False
         return True
 
-    def drain(self, steps: int = 400) -> None:
+    def drain(self, deadline_s: float = 60.0) -> None:
         """Step until every finished request's blocks are released, i.e. the workers
         reported its stores done (vLLM keeps such requests until then)."""
-        for _ in range(steps):
-            if not self.scheduler.requests and not self.scheduler.has_requests():
-                return
+        import time as _time
+
+        limit = _time.monotonic() + deadline_s
+        while self.scheduler.requests or self.scheduler.has_requests():
+            if _time.monotonic() > limit:
+                raise RuntimeError(f"requests still held after {deadline_s} s (stores "
+                                   f"never reported done): {self._states()}")
             self.step()
-        raise RuntimeError(f"requests {list(self.scheduler.requests)} still held after "
-                           f"{steps} steps (their stores never reported done)")
 
     def shutdown(self) -> None:
         for w in self.workers:

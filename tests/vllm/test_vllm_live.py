@@ -126,8 +126,7 @@ def test_cross_with_lmcache_connector(server: LiveServer, tmp_path: Path) -> Non
     assert loaded(b, "o2") == 0
     c = run_engine(tmp_path, "lmcache", [server.url], [{"requests": [req("l2", p2, "s")]}])
     # A full-prompt hit: vLLM recomputes the last token, so one token less is loaded.
-    assert loaded(c, "l2") in (3 * CHUNK - 1, 3 * CHUNK - CHUNK % 16 - 16, 3 * CHUNK - 16), \
-        "LMCache's connector did not load what ours stored"
+    assert loaded(c, "l2") == 3 * CHUNK - 1, "LMCache's connector did not load what ours stored"
 
 
 def test_tensor_parallel_two_ranks(server: LiveServer, tmp_path: Path) -> None:
@@ -181,11 +180,13 @@ def test_server_restart_mid_stream(tmp_path: Path) -> None:
             {"requests": [req("c3", p[3])], "sleep_after": 1},
             {"requests": [req("c4", p[3])]},
         ], extra=extra, timeout=300)
-        for rid in ("b0", "b1", "b2", "c0", "w", "c3"):
+        for rid in ("b0", "b1", "b2", "c0", "w", "c3", "c4"):
             assert r["requests"][rid]["verified"], rid
-        assert loaded(r, "c0") == 0  # the server was down: no lookup, recomputed
-        # c4: same prompt as c3 in the same engine: vLLM's own prefix cache covers it;
-        # the new server stored c3 (a fresh process below proves it went to the server).
+        # b0-b2 lost the server between lookup and load (or before the lookup): they
+        # were computed locally, within a few transfer deadlines; nothing hung.
+        assert all(loaded(r, f"b{i}") in (0, 2 * CHUNK) for i in range(3))
+        assert r["phase_seconds"][0] < 60
+        # After recovery the new (empty) server got c3's chunks: a fresh engine loads them.
         assert r["stats"]["stored"] >= 1
         again = run_engine(tmp_path, "ours", [s.url], [{"requests": [req("d3", p[3])]}])
         assert loaded(again, "d3") == 2 * CHUNK
