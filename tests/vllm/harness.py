@@ -84,18 +84,27 @@ class Engine:
                  num_blocks: int = 96, block_size: int = 16, model: str | None = None,
                  prefix_caching: bool = True) -> None:
         from vllm.config import (
-            CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-            SchedulerConfig, VllmConfig, set_current_vllm_config,
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            VllmConfig,
+            set_current_vllm_config,
         )
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
         )
         from vllm.v1.structured_output import StructuredOutputManager
-        from vllm.utils.hashing import sha256
 
         self.block_size, self.num_blocks, self.tp = block_size, num_blocks, tp
         model_cfg = ModelConfig(model=model or model_dir(), skip_tokenizer_init=True,

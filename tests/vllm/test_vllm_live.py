@@ -34,6 +34,8 @@ LMCACHE_CONNECTOR_WORKS = SERVER_VERSION not in ("0.5.3", "0.5.4")
 
 
 def vllm_python() -> Path:
+    if os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1":
+        pytest.skip("LMCACHE_MP_SKIP_LIVE=1: live tests against a real LMCache server skipped")
     python = VENV / "bin" / "python"
     if python.exists():
         return python

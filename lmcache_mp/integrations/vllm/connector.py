@@ -36,14 +36,14 @@ __all__ = ["LMCacheMPConnector", "LMCacheMPClientMetadata"]
 log = logging.getLogger("lmcache_mp")
 
 
-class LMCacheMPClientMetadata(KVConnectorMetadata):
+class LMCacheMPClientMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """One step's transfer orders, sent from the scheduler to every worker."""
 
     def __init__(self, step: StepOps) -> None:
         self.step = step
 
 
-class LMCacheMPConnector(KVConnectorBase_V1):
+class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM KV connector for an LMCache MP server, built on lmcache_mp."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
@@ -65,17 +65,20 @@ class LMCacheMPConnector(KVConnectorBase_V1):
         world, rank = int(pc.world_size), int(pc.rank)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
-        client_args = {"timeout": self.cfg.mq_timeout,
-                       "heartbeat_interval": self.cfg.heartbeat_interval}
+        cfg = self.cfg
+
+        def client(url: str) -> Client:
+            return Client(url, timeout=cfg.mq_timeout, heartbeat_interval=cfg.heartbeat_interval)
+
         if role == KVConnectorRole.SCHEDULER:
-            clients = {url: Client(url, **client_args) for url in self.cfg.server_urls}
+            clients: dict[str, Any] = {url: client(url) for url in cfg.server_urls}
             self.scheduler = SchedulerSide(
                 self.cfg, clients, model_name=self.model_name,
                 kv_world_size=world // n, lookup_tp_size=max(1, pc.tensor_parallel_size // n),
                 block_size=self.block_size)
         else:
             place = placement(self.cfg.server_urls, world, rank)
-            self.worker = WorkerSide(self.cfg, Client(place.url, **client_args), place,
+            self.worker = WorkerSide(self.cfg, client(place.url), place,
                                      self.model_name)
 
     # ============================================================ worker side
@@ -145,7 +148,7 @@ class LMCacheMPConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        groups = blocks.get_block_ids() or ([],)
+        groups: tuple[list[int], ...] = blocks.get_block_ids() or ([],)
         self.scheduler.update_state_after_alloc(request, groups[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:

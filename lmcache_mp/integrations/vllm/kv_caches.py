@@ -37,7 +37,7 @@ class WrappedKVCache(CpuKVCache):
         self._segments = []
         self.layers = layers
         self._torch_layers = None
-        self._finalizer = weakref.finalize(self, _nothing)
+        self._finalizer = weakref.finalize(self, _nothing, [])
 
     def export_layers(self) -> list[LayerExport]:
         raise InvalidArgument(
@@ -45,7 +45,7 @@ class WrappedKVCache(CpuKVCache):
             "lmcache.mp.mp_transfer_mode 'auto' or 'engine_driven' for CPU KV caches")
 
 
-def _nothing() -> None:
+def _nothing(segments: Sequence[Any]) -> None:
     return None
 
 

@@ -15,6 +15,7 @@ vLLM objects are read by attribute only (``request_id``, ``all_token_ids``,
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -183,8 +184,9 @@ class SchedulerSide:
             t.lookup_end = end
             key = self._key(t, 0, end)
             for url, client in self.clients.items():
-                t.lookups[url] = _Lookup(_try(lambda c=client: c.submit_lookup_async(
-                    key, self.lookup_tp_size, timeout=self.cfg.lookup_timeout)))
+                t.lookups[url] = _Lookup(_try(functools.partial(
+                    client.submit_lookup_async, key, self.lookup_tp_size,
+                    timeout=self.cfg.lookup_timeout)))
         pending = False
         for url, lk in t.lookups.items():
             if lk.chunks is None:
@@ -275,7 +277,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             self._scheduled(step, new.req_id, scheduler_output, None)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
         for i, rid in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
             extra = list(new_blocks[0]) if new_blocks and rid not in resumed else None
@@ -325,9 +327,8 @@ class SchedulerSide:
                 self._free(url, t, 0, chunks * (self.chunk_size or 1))
         for url, client in self.clients.items():
             if self.healthy.get(url) and t is not None and t.state is not State.BYPASS:
-                rid = request.request_id
-                self._send(lambda c=client, r=rid: c.end_session_async(
-                    r, timeout=self.cfg.lookup_timeout))
+                self._send(functools.partial(client.end_session_async, request.request_id,
+                                             timeout=self.cfg.lookup_timeout))
         return True
 
 
