@@ -5,7 +5,7 @@
 PY ?= python3
 VENV := .venv
 
-.PHONY: setup oracle vllm-venv demo test lint unit fixtures bench readme clean mutate mutate-report
+.PHONY: setup oracle vllm-venv demo test lint unit fixtures bench bench-smoke readme clean mutate mutate-report
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	# torch first and pinned (a CPU build on local disk): it enables the torch views of
 	# CpuKVCache in the tests; a bare torch requirement would pull a multi-GB CUDA build.
 	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,bench]'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -71,9 +71,23 @@ fixtures: oracle
 	for v in $(RELEASES); do scripts/lmcache-server.sh python --version $$v -- tools/gen_fixtures.py || exit 1; done
 	scripts/lmcache-server.sh python -- tools/gen_pickle_fixtures.py
 
+# The full comparison (ours, a bare DEALER, memcpy and LMCache's own client, interleaved
+# rounds, against a 0.5.3 server it starts): table on stdout, raw numbers and the chart
+# in benchmarks/results/, then the control-plane guard (benchmarks/control_plane.py).
+# About 2-3 minutes on 2 cores. bench-smoke: the same, one small round (CI: it must run,
+# its timings are not asserted).
+BENCH_OUT ?= benchmarks/results
 bench: setup oracle
-	scripts/lmcache-server.sh python -- benchmarks/control_plane.py
-	scripts/lmcache-server.sh python -- benchmarks/data_plane.py
+	mkdir -p $(BENCH_OUT)
+	scripts/lmcache-server.sh python -- benchmarks/compare.py --rounds 5 --json $(BENCH_OUT)/latest.json
+	$(VENV)/bin/lmcache-mp bench --chart $(BENCH_OUT)/latest.json --png $(BENCH_OUT)/latest.png
+	scripts/lmcache-server.sh python -- benchmarks/control_plane.py --rounds 5 --json $(BENCH_OUT)/control_plane.json
+
+bench-smoke: setup oracle
+	out=$$(mktemp -d) && \
+	scripts/lmcache-server.sh python -- benchmarks/compare.py --quick --rounds 1 --no-progress --json $$out/smoke.json && \
+	$(VENV)/bin/lmcache-mp bench --chart $$out/smoke.json --png $$out/smoke.png && \
+	test -s $$out/smoke.png && rm -rf $$out
 
 clean:
 	rm -rf $(VENV) .venv-vllm .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants

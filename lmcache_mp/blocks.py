@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Union
 
 from .checks import is_int
 from .errors import InvalidArgument
@@ -20,8 +19,12 @@ from .protocol.types import EngineGroupInfo
 
 __all__ = ["TransferLayout", "BlockIds", "normalize_block_ids"]
 
+if TYPE_CHECKING:
+    import numpy as np
+
 # One flat list of ids (one group), one list per group, or a numpy array of either.
-BlockIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
+# (Union with a forward reference: numpy is not imported at run time here.)
+BlockIds = Union[Sequence[int], Sequence[Sequence[int]], "np.ndarray"]  # noqa: UP007
 
 
 @dataclass(frozen=True)
@@ -65,17 +68,19 @@ def normalize_block_ids(
 
     A flat list is accepted for a single group. Each group's list must hold exactly one
     id per ``tokens_per_block`` tokens of ``[start, end)``, each in ``[0, num_blocks)``.
+    Checked without a Python loop per id (C-level min / max / type scans, numpy's for
+    arrays): this runs on every STORE and RETRIEVE.
     """
-    if isinstance(block_ids, np.ndarray):
-        block_ids = block_ids.tolist()
-    if not isinstance(block_ids, (list, tuple)):
-        raise InvalidArgument(f"{op}: block_ids must be a list of ints (or one list per group)")
-    groups: list[list[int]]
-    if block_ids and all(isinstance(b, (list, tuple, np.ndarray)) for b in block_ids):
-        groups = [list(np.asarray(g).tolist()) if isinstance(g, np.ndarray) else list(g)
-                  for g in block_ids]
+    if _is_ndarray(block_ids):
+        groups = _array_groups(block_ids, op)
+    elif isinstance(block_ids, (list, tuple)):
+        if block_ids and all(isinstance(b, (list, tuple)) or _is_ndarray(b) for b in block_ids):
+            groups = [_array_groups(g, op)[0] if _is_ndarray(g) else list(g)
+                      for g in block_ids]
+        else:
+            groups = [list(block_ids)]
     else:
-        groups = [list(block_ids)]
+        raise InvalidArgument(f"{op}: block_ids must be a list of ints (or one list per group)")
     if len(groups) != len(layout.groups):
         raise InvalidArgument(
             f"{op}: got {len(groups)} block-id list(s), the cache was registered with "
@@ -90,9 +95,25 @@ def normalize_block_ids(
                 f"{op}: group {gi} needs exactly {need} block ids for tokens "
                 f"[{key.start}, {key.end}) at {per_block} tokens per block, got {len(ids)}"
             )
-        for b in ids:
-            if not is_int(b) or not 0 <= b < num_blocks:
-                raise InvalidArgument(
-                    f"{op}: block id {b!r} is outside the registered cache (0..{num_blocks - 1})"
-                )
+        # type() is int rejects bools (and numpy scalars, which msgpack cannot encode).
+        if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= num_blocks):
+            bad = next(b for b in ids if not is_int(b) or not 0 <= b < num_blocks)
+            raise InvalidArgument(
+                f"{op}: block id {bad!r} is outside the registered cache (0..{num_blocks - 1})"
+            )
     return groups
+
+
+def _is_ndarray(obj: object) -> bool:
+    # numpy is not imported to ask: a caller passing arrays has imported it.
+    return type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy"
+
+
+def _array_groups(arr: Any, op: str) -> list[list[int]]:
+    """A 1-D (one group) or 2-D (a row per group) integer array as lists of ints
+    (``tolist`` makes the ints in C; the wire needs them as msgpack ints anyway)."""
+    if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
+        raise InvalidArgument(f"{op}: block_ids must be a 1-D or 2-D integer array, got "
+                              f"{arr.ndim}-D {arr.dtype}")
+    rows: list[Any] = arr.tolist()
+    return [rows] if arr.ndim == 1 else rows

@@ -6,6 +6,8 @@
     lmcache-mp doctor [--url URL]  CUDA, IPC handles, /dev/shm, and the server's protocol
     lmcache-mp clean [--dry-run]   remove the shared memory of killed lmcache_mp processes
                                    (also: lmcache-mp doctor --clean)
+    lmcache-mp bench URL           latency, client CPU and GB/s against a bare DEALER and
+                                   memcpy (table, --json, --png; see benchmarks/README.md)
 """
 
 from __future__ import annotations
@@ -131,6 +133,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return main_doctor(args.url, args.timeout)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main as bench_main  # numpy, and matplotlib for --png, only here
+
+    return bench_main(args.url, rounds=args.rounds, quick=args.quick, json_path=args.json,
+                      png_path=args.png, show_progress=not args.no_progress,
+                      chart_from=args.chart)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmcache-mp", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,6 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clean", action="store_true",
                    help="first remove the shared memory of killed lmcache_mp processes")
     p.set_defaults(func=_cmd_doctor)
+
+    p = sub.add_parser("bench", help="benchmark this client against a server (table, JSON, PNG)")
+    p.add_argument("url", nargs="?", help="the server (its L1 pool enables engine-driven runs)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds after a warm-up")
+    p.add_argument("--quick", action="store_true", help="a smoke run: small sizes")
+    p.add_argument("--json", help="write the raw per-round numbers here")
+    p.add_argument("--png", help="draw the chart here (needs the 'bench' extra: matplotlib)")
+    p.add_argument("--chart", metavar="JSON", help="only draw --png from an earlier --json")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("clean", help="remove the shared memory of killed lmcache_mp processes")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")

@@ -174,6 +174,12 @@ class Client(ControlPlane, InstanceIdAPI):
         if chosen == "engine" and not isinstance(kv_cache, CpuKVCache):
             raise InvalidArgument("engine-driven transfers copy through host memory: "
                                   "register a CpuKVCache, or use mode='lmcache'")
+        wrapped = isinstance(kv_cache, CpuKVCache) and kv_cache.wrapped
+        if chosen == "lmcache" and wrapped:
+            raise InvalidArgument(
+                "a cache from CpuKVCache.wrap() is caller memory the server cannot map: "
+                "register it with mode='engine' (or 'auto'), or allocate a shared-memory "
+                "cache with CpuKVCache.allocate() for mode='lmcache'")
         if kv_cache.closed or kv_cache.unlinked:
             raise InvalidArgument(
                 "this KV cache was closed or unregistered (its shared-memory names are gone); "
@@ -206,7 +212,9 @@ class Client(ControlPlane, InstanceIdAPI):
                                                 and isinstance(kv_cache, CpuKVCache))
             first: Mode = "engine" if try_engine else "lmcache"
             reg = Registration(self._registry, kv_cache, first, layout, worker_id)
-            reg._establish(deadline, fall_back=chosen == "auto" and try_engine)
+            # A wrapped cache has no server-copy mode to fall back to: a server without
+            # a pool is then reported as such (ProtocolMismatch) by the engine-driven try.
+            reg._establish(deadline, fall_back=chosen == "auto" and try_engine and not wrapped)
             self._registry.add(reg)
         except BaseException:
             self._registry.release(iid)

@@ -10,19 +10,24 @@ unmapped when no registration uses them (a restarted 0.5.3 server names a new po
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from .errors import ProtocolMismatch
 from .ipc.base import STORAGE_DTYPES, KVGeometry
 from .ipc.cpu_cache import CpuKVCache
-from .ipc.paged_copy import gather_chunk, scatter_chunk
 from .ipc.shm import map_existing
 from .protocol.types import PoolSlot
+
+if TYPE_CHECKING:  # numpy and the copy modules are imported on the first copy
+    import numpy as np
+
+    from .ipc.copy_workers import CopyWorkers
+    from .ipc.paged_copy import Task
 
 __all__ = ["Pool", "PoolMaps", "NO_POOL_HELP", "copy_into_slots", "copy_from_slots"]
 
@@ -56,12 +61,25 @@ class PoolMaps:
         self._lock = threading.Lock()
         # (name, epoch) -> [mapping, view, users]
         self._maps: dict[tuple[str, int], tuple[mmap.mmap, np.ndarray, int]] = {}
+        self._workers: CopyWorkers | None = None
+
+    @property
+    def workers(self) -> CopyWorkers:
+        """The client's copy threads (started on the first engine-driven copy)."""
+        with self._lock:
+            if self._workers is None:
+                from .ipc.copy_workers import CopyWorkers
+
+                self._workers = CopyWorkers()
+            return self._workers
 
     def acquire(self, name: str, size: int, epoch: int) -> Pool:
         with self._lock:
             key = (name, epoch)
             entry = self._maps.get(key)
             if entry is None or entry[1].size < size:
+                import numpy as np
+
                 pool = map_existing(name, size)
                 entry = (pool, np.frombuffer(pool, dtype=np.uint8), 0)
             self._maps[key] = (entry[0], entry[1], entry[2] + 1)
@@ -85,6 +103,9 @@ class PoolMaps:
         with self._lock:
             entries = list(self._maps.values())
             self._maps.clear()
+            workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.close()
         for pool, _view, _users in entries:
             _unmap(pool)
 
@@ -103,7 +124,7 @@ def slot_view(pool: Pool, slot: PoolSlot, g: KVGeometry, chunk_size: int) -> np.
     """The chunk object in ``slot``, checked against what was registered."""
     expect = ([g.num_layers, chunk_size, g.hidden_dim] if g.mla
               else [2, g.num_layers, chunk_size, g.hidden_dim])
-    nbytes = int(np.prod(expect)) * g.itemsize
+    nbytes = math.prod(expect) * g.itemsize
     # MLA objects stored through REGISTER_KV_CACHE carry a leading kv_size of 1:
     # same bytes, one more dimension.
     shape_ok = slot.shape == expect or (g.mla and slot.shape == [1, *expect])
@@ -126,6 +147,7 @@ def copy_into_slots(
     chunk_indices: Sequence[int],
     pool: Pool,
     chunk_size: int,
+    workers: CopyWorkers | None = None,
 ) -> None:
     """PREPARE_STORE's slots are filled from the blocks of their chunk of the key. The
     whole context is checked before a byte is copied (ProtocolMismatch: none was)."""
@@ -146,8 +168,12 @@ def copy_into_slots(
     # Every slot is checked before the first copy: a context that is wrong anywhere
     # writes nothing.
     targets = [slot_view(pool, slot, g, chunk_size) for slot in slots]
+    from .ipc.paged_copy import gather_tasks
+
+    tasks: list[Task] = []
     for target, ci in zip(targets, chunk_indices, strict=True):
-        gather_chunk(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], target, g)
+        tasks += gather_tasks(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], target, g)
+    _run(tasks, workers)
 
 
 def copy_from_slots(
@@ -157,6 +183,7 @@ def copy_from_slots(
     pool: Pool,
     chunk_size: int,
     skip_first_n_tokens: int,
+    workers: CopyWorkers | None = None,
 ) -> None:
     """PREPARE_RETRIEVE's slots (one per chunk of the key, in order) are copied into the
     blocks, leaving the first ``skip_first_n_tokens`` (whole blocks) untouched. Every slot
@@ -168,6 +195,20 @@ def copy_from_slots(
                                f"{len(ids) // per_chunk} chunks")
     sources = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     skip_blocks = skip_first_n_tokens // g.block_size
+    from .ipc.paged_copy import scatter_tasks
+
+    tasks: list[Task] = []
     for ci, source in enumerate(sources):
-        scatter_chunk(source, cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], g,
-                      skip_blocks=max(0, skip_blocks - ci * per_chunk))
+        tasks += scatter_tasks(source, cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk],
+                               g, skip_blocks=max(0, skip_blocks - ci * per_chunk))
+    _run(tasks, workers)
+
+
+def _run(tasks: list[Task], workers: CopyWorkers | None) -> None:
+    from .ipc.paged_copy import run_task
+
+    if workers is None:
+        for t in tasks:
+            run_task(t)
+    else:
+        workers.run(tasks, run_task)

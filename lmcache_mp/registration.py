@@ -34,6 +34,7 @@ from .engine_driven import NO_POOL_HELP, Pool, PoolMaps
 from .errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
 from .futures import ReplyFuture, blocking
 from .ipc.base import ExportableKVCache
+from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 from .protocol import decode_reply
 from .protocol.types import (
@@ -53,6 +54,11 @@ log = logging.getLogger("lmcache_mp")
 #: ``"lmcache"``: the server maps the cache and copies blocks itself; ``"engine"``: this
 #: client copies blocks through the server's shared-memory pool (CPU caches).
 Mode = Literal["lmcache", "engine"]
+
+#: Releases whose CPU servers ignore the ``kv_layout`` hint and read 5-D layers as HND
+#: (lmcache/v1/gpu_connector/kv_format/detectors/vllm.py forces it when the torch
+#: device is the CPU; 0.5.5 honours the hint).
+HND_ONLY_RELEASES = frozenset({"0.5.3", "0.5.4"})
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,15 @@ class Registration:
                 "this KV cache was closed or unlinked (its shared-memory names are gone), so "
                 "the server cannot map it again; allocate a new cache and register that")
         if self.mode == "lmcache":
-            payloads = conn.profile_for(unsent(deadline, "REGISTER")).register_payloads(
+            profile = conn.profile_for(unsent(deadline, "REGISTER"))
+            if (isinstance(cache, CpuKVCache) and cache.kv_layout == "NHD"
+                    and HND_ONLY_RELEASES & set(profile.releases)):
+                raise InvalidArgument(
+                    f"LMCache {'/'.join(profile.releases)} CPU servers read 5-D layers as HND "
+                    f"whatever layout is declared, so they would copy this NHD cache's blocks "
+                    f"scrambled: register it with mode='engine' (this client copies either "
+                    f"layout), allocate it with layout='HND', or use LMCache 0.5.5+")
+            payloads = profile.register_payloads(
                 self.instance_id, cache.export_layers(), self.model_name, self.world_size,
                 cache.kv_layout, self.groups)
             op, p = conn.submit("REGISTER_KV_CACHE", payloads, unsent(deadline, "REGISTER"))

@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from .engine_driven import copy_from_slots, copy_into_slots
 from .errors import (
     ConnectionChanged,
@@ -110,8 +108,10 @@ def engine_store(reg: Registration, key: CacheKey, groups: list[list[int]],
         ctx = prepared.context
         if not ctx.slots and not ctx.chunk_indices:
             return ReplyFuture.completed(True)  # every chunk is cached already
+        import numpy as np  # loaded on the first engine-driven copy, not at import
+
         copy_into_slots(cache, np.asarray(groups[0], dtype=np.int64), ctx.slots,
-                        ctx.chunk_indices, b.pool, reg.chunk_size)
+                        ctx.chunk_indices, b.pool, reg.chunk_size, reg._owner.pools.workers)
     except BaseException as exc:
         # The server holds a write reservation until COMMIT_STORE (else until its write
         # TTL, 600 s, or the unregister; either way it then publishes the slots as they
@@ -140,8 +140,11 @@ def engine_retrieve(reg: Registration, key: CacheKey, groups: list[list[int]], s
         assert isinstance(prepared, PrepareRetrieveResponse) and b.pool is not None
         if not prepared.success:
             return ReplyFuture.completed(False)  # the server released what it found
+        import numpy as np
+
         copy_from_slots(cache, np.asarray(groups[0], dtype=np.int64),
-                        prepared.context.slots, b.pool, reg.chunk_size, skip)
+                        prepared.context.slots, b.pool, reg.chunk_size, skip,
+                        reg._owner.pools.workers)
     except BaseException as exc:
         _release(reg, "COMMIT_RETRIEVE", commit, b, deadline)
         if isinstance(exc, ProtocolMismatch):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import os
 import select
+import struct
 import threading
 import time
 import weakref
@@ -35,7 +36,6 @@ from collections.abc import Sequence
 
 import msgspec
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from .errors import (
     ClientClosed,
@@ -46,6 +46,9 @@ from .errors import (
     ServerUnavailable,
 )
 from .probing import PROBE_LEAD_S, PROBE_TIMEOUT_S, ProbeState
+
+# A monitor event's first frame: 16-bit event id, 32-bit value, native order, packed.
+_MONITOR_HEADER = struct.Struct("=hi")
 
 __all__ = ["Transport", "PendingRequest", "MAX_REPLY_BYTES"]
 
@@ -392,7 +395,9 @@ class Transport:
         return n
 
     def _on_monitor_event(self, msg: list[bytes]) -> None:
-        event = parse_monitor_message(msg)["event"]
+        # zmq.utils.monitor.parse_monitor_message would import zmq.asyncio (and asyncio)
+        # at import time: the first frame is a 16-bit event id and a 32-bit value.
+        event = _MONITOR_HEADER.unpack_from(msg[0])[0]
         if event == zmq.EVENT_CONNECTED:
             self.connected = True
             self._ever_connected = True

@@ -10,10 +10,9 @@ when used) both implement :class:`ExportableKVCache`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
-
-import numpy as np
 
 __all__ = [
     "STORAGE_DTYPES",
@@ -25,20 +24,21 @@ __all__ = [
     "ExportableKVCache",
 ]
 
-# torch dtype name -> (numpy dtype that holds the same bytes, itemsize). numpy has no
-# bfloat16 or float8: their layers are exposed as raw unsigned ints of the same width
-# (use .torch_layers for typed access).
-STORAGE_DTYPES: dict[str, tuple[Any, int]] = {
-    "float16": (np.float16, 2),
-    "bfloat16": (np.uint16, 2),
-    "float32": (np.float32, 4),
-    "float64": (np.float64, 8),
-    "float8_e4m3fn": (np.uint8, 1),
-    "float8_e5m2": (np.uint8, 1),
-    "int8": (np.int8, 1),
-    "uint8": (np.uint8, 1),
-    "int16": (np.int16, 2),
-    "int32": (np.int32, 4),
+# torch dtype name -> (numpy dtype name that holds the same bytes, itemsize). numpy has
+# no bfloat16 or float8: their layers are exposed as raw unsigned ints of the same width
+# (use .torch_layers for typed access). Names, not numpy types: importing this module
+# must not import numpy (import lmcache_mp stays light).
+STORAGE_DTYPES: dict[str, tuple[str, int]] = {
+    "float16": ("float16", 2),
+    "bfloat16": ("uint16", 2),
+    "float32": ("float32", 4),
+    "float64": ("float64", 8),
+    "float8_e4m3fn": ("uint8", 1),
+    "float8_e5m2": ("uint8", 1),
+    "int8": ("int8", 1),
+    "uint8": ("uint8", 1),
+    "int16": ("int16", 2),
+    "int32": ("int32", 4),
 }
 
 #: The order of the head and token axes of a paged layer: HND ``[2, blocks, heads,
@@ -57,11 +57,16 @@ class KVGeometry:
     head_dim: int
     dtype: str
     mla: bool
+    #: Axis order of the 5-D layers (ignored for MLA). Last, with a default, so the
+    #: seven-field positional form keeps meaning HND.
+    layout: KVLayout = "HND"
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
         if self.mla:
             return (self.num_blocks, self.block_size, self.head_dim)
+        if self.layout == "NHD":
+            return (2, self.num_blocks, self.block_size, self.num_heads, self.head_dim)
         return (2, self.num_blocks, self.num_heads, self.block_size, self.head_dim)
 
     @property
@@ -70,7 +75,7 @@ class KVGeometry:
 
     @property
     def layer_nbytes(self) -> int:
-        return int(np.prod(self.layer_shape)) * self.itemsize
+        return math.prod(self.layer_shape) * self.itemsize
 
     @property
     def layer_strides(self) -> tuple[int, ...]:

@@ -3,10 +3,17 @@
 One segment per layer tensor (offset 0, ``nbytes = numel * itemsize``), exposed as
 numpy arrays and, when torch is installed, as torch tensors over the same memory.
 
-Layout: CPU servers up to 0.5.4 read vLLM-style 5-D per-layer tensors as HND whatever
-``kv_layout`` hint is sent, so the cache is HND, ``[2, num_blocks, num_heads,
-block_size, head_dim]``, and registration says so explicitly. MLA caches have one
-plane, ``[num_blocks, block_size, head_dim]``.
+Layout: HND ``[2, num_blocks, num_heads, block_size, head_dim]`` by default, or NHD
+``[2, num_blocks, block_size, num_heads, head_dim]`` (vLLM's default, and the cheaper
+one to copy: each block is one contiguous run of a chunk). Registration states it
+explicitly; CPU servers up to 0.5.4 read 5-D layers as HND whatever the hint says, so
+an NHD cache is refused there for LMCache-driven transfers (engine-driven transfers
+are copied by this client and work with either). MLA caches have one plane,
+``[num_blocks, block_size, head_dim]``.
+
+:meth:`CpuKVCache.wrap` takes an engine's own host arrays instead (no copy, no SHM):
+engine-driven mode only, since the server cannot map memory it was not given a name
+for.
 """
 
 from __future__ import annotations
@@ -14,14 +21,15 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from ..checks import is_int, positive_int
+from ..checks import is_int, one_of, positive_int
 from ..errors import InvalidArgument
 from .base import STORAGE_DTYPES, KVGeometry, KVLayout, LayerExport, ShmLayerExport
 from .shm import SHM_DIR, ShmSegment, shm_free_bytes, sweep_dead_segments
+
+if TYPE_CHECKING:  # numpy is imported on first use: import lmcache_mp stays light
+    import numpy as np
 
 __all__ = ["CpuKVCache", "KVGeometry", "STORAGE_DTYPES", "MAX_LAYERS"]
 
@@ -39,16 +47,23 @@ class CpuKVCache:
     """Per-layer KV tensors in POSIX shared memory. Close it (or use ``with``); names
     are also unlinked at interpreter exit or when the cache is garbage-collected."""
 
-    def __init__(self, geometry: KVGeometry, segments: list[ShmSegment]) -> None:
+    def __init__(self, geometry: KVGeometry, segments: list[ShmSegment],
+                 layers: list[np.ndarray] | None = None,
+                 torch_layers: list[Any] | None = None) -> None:
+        """Use :meth:`allocate` (SHM of its own) or :meth:`wrap` (caller's arrays)."""
         self.geometry = geometry
         self._segments = segments
-        np_dtype = STORAGE_DTYPES[geometry.dtype][0]
-        count = int(np.prod(geometry.layer_shape))
-        self.layers: list[np.ndarray] = [
-            np.frombuffer(seg.buffer, dtype=np_dtype, count=count).reshape(geometry.layer_shape)
-            for seg in segments
-        ]
-        self._torch_layers: list[Any] | None = None
+        #: True for :meth:`wrap`: memory the server cannot map (engine-driven only).
+        self.wrapped = layers is not None
+        if layers is None:
+            import numpy as np
+
+            np_dtype = STORAGE_DTYPES[geometry.dtype][0]
+            count = math.prod(geometry.layer_shape)
+            layers = [np.frombuffer(seg.buffer, dtype=np_dtype, count=count).reshape(
+                geometry.layer_shape) for seg in segments]
+        self.layers: list[np.ndarray] = layers
+        self._torch_layers: list[Any] | None = torch_layers
         self._finalizer = weakref.finalize(self, _release, list(segments))
 
     @classmethod
@@ -62,6 +77,7 @@ class CpuKVCache:
         head_dim: int,
         dtype: str = "bfloat16",
         mla: bool = False,
+        layout: KVLayout = "HND",
     ) -> CpuKVCache:
         """Allocate ``num_layers`` zero-filled layer tensors in shared memory, all pages
         up front (a cache larger than ``/dev/shm`` has free is refused here, instead of
@@ -73,6 +89,7 @@ class CpuKVCache:
             )
         if not isinstance(mla, bool):
             raise InvalidArgument(f"mla must be a bool, got {mla!r}")
+        one_of("layout", layout, ("HND", "NHD"))
         if is_int(num_layers) and num_layers > MAX_LAYERS:
             raise InvalidArgument(
                 f"num_layers={num_layers}: at most {MAX_LAYERS} (one segment and mapping per "
@@ -85,6 +102,7 @@ class CpuKVCache:
             positive_int("head_dim", head_dim),
             dtype,
             bool(mla),
+            layout,
         )
         if mla and num_heads != 1:
             raise InvalidArgument("an MLA cache has one latent head: pass num_heads=1")
@@ -107,6 +125,34 @@ class CpuKVCache:
             raise
         return cls(geometry, segments)
 
+    @classmethod
+    def wrap(
+        cls,
+        layers: Sequence[Any],
+        *,
+        layout: KVLayout = "HND",
+        block_size: int | None = None,
+        dtype: str | None = None,
+    ) -> CpuKVCache:
+        """A cache over the caller's own host memory, without copying it: one array per
+        layer, numpy arrays or CPU torch tensors, shaped ``[2, num_blocks, num_heads,
+        block_size, head_dim]`` (``layout="HND"``) or ``[2, num_blocks, block_size,
+        num_heads, head_dim]`` (``"NHD"``), or 3-D MLA layers ``[num_blocks,
+        block_size, head_dim]``. Any strides work (views into one allocation, permuted
+        views); contiguous layers copy fastest. ``block_size`` is checked against the
+        shapes when given (it catches a wrong ``layout``); ``dtype`` is read from torch
+        tensors, and needed for numpy arrays whose dtype is not a torch name (e.g.
+        ``dtype="bfloat16"`` for uint16 bits).
+
+        Engine-driven mode only (``register(mode="engine")``; ``"auto"`` picks it): in
+        LMCache-driven mode the server maps the cache itself, which needs
+        :meth:`allocate`'s shared memory. Closing drops the references; the memory
+        stays the caller's."""
+        from .host_arrays import host_layers
+
+        geometry, views, tensors = host_layers(layers, layout, block_size, dtype)
+        return cls(geometry, [], views, tensors)
+
     # ------------------------------------------------------------------ views
     @property
     def torch_layers(self) -> list[Any]:
@@ -119,10 +165,17 @@ class CpuKVCache:
                     "torch is not installed: use .layers (numpy), or install torch"
                 ) from None
             tdtype = getattr(torch, self.geometry.dtype)
-            self._torch_layers = [
-                torch.frombuffer(seg.buffer, dtype=tdtype).view(self.geometry.layer_shape)
-                for seg in self._segments
-            ]
+            if self.wrapped:
+                # Wrapped numpy layers keep their strides: reinterpret the storage
+                # ints (torch reads every numpy int type) as the typed dtype.
+                self._torch_layers = [
+                    torch.from_numpy(a.view(f"i{a.itemsize}")).view(tdtype)
+                    for a in self.layers]
+            else:
+                self._torch_layers = [
+                    torch.frombuffer(seg.buffer, dtype=tdtype).view(self.geometry.layer_shape)
+                    for seg in self._segments
+                ]
         return self._torch_layers
 
     @property
@@ -140,15 +193,22 @@ class CpuKVCache:
 
     # ------------------------------------------------- ExportableKVCache
     def export_layers(self) -> list[LayerExport]:
+        if self.wrapped:
+            raise InvalidArgument(
+                "a cache from CpuKVCache.wrap() is caller memory the server cannot map: "
+                "register it with mode='engine' (the server needs --shm-name for its pool), "
+                "or allocate a shared-memory cache with CpuKVCache.allocate() for "
+                "mode='lmcache'")
         g = self.geometry
         return [ShmLayerExport(name, g.layer_nbytes, g.dtype, g.layer_shape, g.layer_strides)
                 for name in self.segment_names]
 
     @property
     def kv_layout(self) -> KVLayout | None:
-        # Said explicitly at registration: CPU servers up to 0.5.4 assume HND anyway,
-        # later ones honour the hint. MLA layers have no head axis to order.
-        return None if self.geometry.mla else "HND"
+        # Said explicitly at registration: CPU servers up to 0.5.4 assume HND anyway
+        # (an NHD cache is refused there), later ones honour the hint. MLA layers have
+        # no head axis to order.
+        return None if self.geometry.mla else self.geometry.layout
 
     def begin_transfer(self, stream: Any) -> tuple[bytes, Any]:
         # A CPU server ignores the event handle and copies synchronously.
@@ -184,5 +244,6 @@ class CpuKVCache:
     def __repr__(self) -> str:
         g = self.geometry
         state = "closed" if self.closed else "open"
-        return (f"<CpuKVCache {g.num_layers} x {g.layer_shape} {g.dtype}"
-                f"{' MLA' if g.mla else ''} {state}>")
+        kind = " MLA" if g.mla else f" {g.layout}"
+        return (f"<CpuKVCache{' (wrapped)' if self.wrapped else ''} {g.num_layers} x "
+                f"{g.layer_shape} {g.dtype}{kind} {state}>")

@@ -1,25 +1,39 @@
-"""Vectorised copies between a paged KV cache and LMCache's chunk objects.
+"""Copies between a paged KV cache and LMCache's chunk objects, as plans of
+independent, GIL-releasing numpy copies (run by :mod:`.copy_workers` on several cores).
 
 A chunk object (what the server stores, and what an engine-driven SHM slot holds) is
 ``[2, num_layers, chunk_tokens, num_heads * head_dim]`` token-major (MLA:
-``[num_layers, chunk_tokens, head_dim]``). A paged HND layer is ``[2, num_blocks,
-num_heads, block_size, head_dim]``, so a chunk is the per-layer transpose of its
-blocks. Copies run per layer as numpy strided copies: contiguous runs of block ids are
-copied as slices (no temporaries), scattered ids with one fancy-indexed copy.
+``[num_layers, chunk_tokens, head_dim]``). A paged NHD layer ``[2, num_blocks,
+block_size, num_heads, head_dim]`` is token-major already: a run of consecutive
+blocks is one contiguous run of the chunk. An HND layer ``[2, num_blocks, num_heads,
+block_size, head_dim]`` is the per-block transpose (runs of ``head_dim`` elements).
+
+One task per (chunk, layer), about a MiB each: the unit the workers share out.
+Consecutive block ids are copied as slices (no temporaries); a task with many runs
+uses one fancy-indexed copy: ``np.take(..., out=)`` or an indexed assignment, neither
+with a temporary, except gathers from a non-contiguous source (HND layers, wrapped
+strided views), whose index copy makes a temporary of the task's size (one MiB,
+not the key's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from .cpu_cache import KVGeometry
+from .base import KVGeometry
 
-__all__ = ["block_runs", "gather_chunk", "scatter_chunk"]
+__all__ = ["block_runs", "gather_chunk", "scatter_chunk", "gather_tasks", "scatter_tasks",
+           "run_task"]
 
 # Beyond this many runs, one fancy-indexed copy beats a Python loop of slice copies.
 _MAX_SLICE_RUNS = 8
+
+# Task kinds: (kind, dst, src, ids). ids is None for slices.
+_SLICE, _TAKE, _GATHER_FANCY, _SCATTER_FANCY = range(4)
+Task = tuple[int, np.ndarray, np.ndarray, Any]
 
 
 def block_runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -45,57 +59,90 @@ def _chunk_view(obj: np.ndarray, layer: int, g: KVGeometry, nblocks: int) -> np.
 
 def _paged_view(layer: np.ndarray, g: KVGeometry) -> np.ndarray:
     """A paged layer with tokens before heads, matching ``_chunk_view`` (a view)."""
-    return layer if g.mla else layer.transpose(0, 1, 3, 2, 4)
+    return layer if g.mla or g.layout == "NHD" else layer.transpose(0, 1, 3, 2, 4)
 
 
-def gather_chunk(
-    layers: Sequence[np.ndarray], ids: np.ndarray, out: np.ndarray, g: KVGeometry
-) -> None:
-    """Copy the blocks ``ids`` of every layer into the chunk object ``out``."""
+def _planes(arr: np.ndarray, g: KVGeometry) -> list[np.ndarray]:
+    """The K and V planes (MLA: the one plane), blocks first."""
+    return [arr] if g.mla else [arr[0], arr[1]]
+
+
+def gather_tasks(layers: Sequence[np.ndarray], ids: np.ndarray, out: np.ndarray,
+                 g: KVGeometry) -> list[Task]:
+    """The copies of blocks ``ids`` of every layer into the chunk object ``out``."""
     runs = block_runs(ids)
-    axis_blocks = 0 if g.mla else 1
+    tasks: list[Task] = []
     for li, layer in enumerate(layers):
         dst = _chunk_view(out, li, g, len(ids))
         src = _paged_view(layer, g)
         if len(runs) <= _MAX_SLICE_RUNS:
             for pos, first, n in runs:
-                if axis_blocks == 0:
-                    dst[pos : pos + n] = src[first : first + n]
+                if g.mla:
+                    tasks.append((_SLICE, dst[pos : pos + n], src[first : first + n], None))
                 else:
-                    dst[:, pos : pos + n] = src[:, first : first + n]
-        elif axis_blocks == 0:
-            dst[...] = src[ids]
+                    tasks.append((_SLICE, dst[:, pos : pos + n], src[:, first : first + n],
+                                  None))
         else:
-            dst[...] = src[:, ids]
+            for d, s in zip(_planes(dst, g), _planes(src, g), strict=True):
+                # np.take writes straight into a contiguous out from a contiguous
+                # source; otherwise it would copy the whole layer first.
+                kind = (_TAKE if s.flags.c_contiguous and d.flags.c_contiguous
+                        else _GATHER_FANCY)
+                tasks.append((kind, d, s, ids))
+    return tasks
 
 
-def scatter_chunk(
-    obj: np.ndarray,
-    layers: Sequence[np.ndarray],
-    ids: np.ndarray,
-    g: KVGeometry,
-    skip_blocks: int = 0,
-) -> None:
-    """Copy the chunk object ``obj`` into blocks ``ids`` of every layer, leaving the
-    first ``skip_blocks`` target blocks untouched."""
+def scatter_tasks(obj: np.ndarray, layers: Sequence[np.ndarray], ids: np.ndarray,
+                  g: KVGeometry, skip_blocks: int = 0) -> list[Task]:
+    """The copies of the chunk object ``obj`` into blocks ``ids`` of every layer,
+    leaving the first ``skip_blocks`` target blocks untouched."""
     if skip_blocks >= len(ids):
-        return
+        return []
     targets = ids[skip_blocks:]
     runs = block_runs(targets)
+    tasks: list[Task] = []
     for li, layer in enumerate(layers):
         src = _chunk_view(obj, li, g, len(ids))
         dst = _paged_view(layer, g)
-        if g.mla:
-            src = src[skip_blocks:]
-            if len(runs) <= _MAX_SLICE_RUNS:
-                for pos, first, n in runs:
-                    dst[first : first + n] = src[pos : pos + n]
-            else:
-                dst[targets] = src
+        src = src[skip_blocks:] if g.mla else src[:, skip_blocks:]
+        if len(runs) <= _MAX_SLICE_RUNS:
+            for pos, first, n in runs:
+                if g.mla:
+                    tasks.append((_SLICE, dst[first : first + n], src[pos : pos + n], None))
+                else:
+                    tasks.append((_SLICE, dst[:, first : first + n], src[:, pos : pos + n],
+                                  None))
         else:
-            src = src[:, skip_blocks:]
-            if len(runs) <= _MAX_SLICE_RUNS:
-                for pos, first, n in runs:
-                    dst[:, first : first + n] = src[:, pos : pos + n]
-            else:
-                dst[:, targets] = src
+            # An indexed assignment writes in place through any strides.
+            tasks.extend((_SCATTER_FANCY, d, s, targets)
+                         for d, s in zip(_planes(dst, g), _planes(src, g), strict=True))
+    return tasks
+
+
+def run_task(task: Task) -> None:
+    """One copy of a plan (releases the GIL for its bytes)."""
+    kind, dst, src, ids = task
+    if kind == _SLICE:
+        np.copyto(dst, src)
+    elif kind == _TAKE:
+        # mode="clip": ids were checked against the cache, and "raise" buffers out.
+        np.take(src, ids, axis=0, out=dst, mode="clip")
+    elif kind == _GATHER_FANCY:
+        np.copyto(dst, src[ids])
+    else:
+        dst[ids] = src
+
+
+def gather_chunk(layers: Sequence[np.ndarray], ids: np.ndarray, out: np.ndarray,
+                 g: KVGeometry) -> None:
+    """Copy the blocks ``ids`` of every layer into the chunk object ``out``."""
+    for t in gather_tasks(layers, ids, out, g):
+        run_task(t)
+
+
+def scatter_chunk(obj: np.ndarray, layers: Sequence[np.ndarray], ids: np.ndarray,
+                  g: KVGeometry, skip_blocks: int = 0) -> None:
+    """Copy the chunk object ``obj`` into blocks ``ids`` of every layer, leaving the
+    first ``skip_blocks`` target blocks untouched."""
+    for t in scatter_tasks(obj, layers, ids, g, skip_blocks):
+        run_task(t)
