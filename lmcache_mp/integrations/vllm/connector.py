@@ -84,11 +84,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        tensors = list(kv_caches.values())
-        layout = "NHD"
-        if tensors and tensors[0].dim() == 5 and tensors[0].shape[2] != self.block_size:
-            layout = "HND"
-        cache = wrap_layers(tensors, layout)
+        # One group (no hybrid KV-cache groups): layers in vLLM's registration order.
+        cache = wrap_layers(list(kv_caches.values()), self.block_size)
         worker = self.worker
 
         def register() -> Any:
