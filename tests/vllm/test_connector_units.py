@@ -222,6 +222,26 @@ def test_failed_load_is_recomputed_and_stored_again() -> None:
     assert (op.start, op.end, op.block_ids[0]) == (0, 3 * CHUNK, 20)
 
 
+def test_preempted_request_restarts_with_its_new_blocks() -> None:
+    s = side(FakeClient(hits=0))
+    r = request(2 * CHUNK + 8)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(1, 6)), 0)
+    (op,) = s.build_step(out({"r": CHUNK + 8})).stores()
+    assert op.end == CHUNK
+    # Preempted (blocks freed), scheduled again from 0 with a vLLM hit of one block:
+    # the old block list is dropped, stores restart from the new blocks.
+    assert s.get_num_new_matched_tokens(r, BS) == (0, False)
+    s.update_state_after_alloc(r, [40, 41], 0)
+    resumed = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["r"], new_block_ids=[(list(range(40, 49)),)],
+                                              resumed_req_ids={"r"}),
+        num_scheduled_tokens={"r": 2 * CHUNK + 8 - BS}, preempted_req_ids=None)
+    (op,) = s.build_step(resumed).stores()
+    assert (op.start, op.end, op.block_ids) == (0, 2 * CHUNK, tuple(range(40, 48)))
+
+
 def test_aborted_during_lookup_frees_its_locks() -> None:
     c = FakeClient(hits=3)
     s = side(c)

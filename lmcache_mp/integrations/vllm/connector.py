@@ -109,10 +109,14 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker is not None
-        step = self._step()
-        if step.flush_stores:
+        self.worker.start_loads(self._step())
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # Called before the forward pass: preempted requests' blocks may be rewritten
+        # in it, so stores still reading them must finish first.
+        if (self.worker is not None and isinstance(kv_connector_metadata, LMCacheMPClientMetadata)
+                and kv_connector_metadata.step.flush_stores):
             self.worker.flush_stores()
-        self.worker.start_loads(step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -148,15 +148,17 @@ class SchedulerSide:
         if t.state is State.BYPASS:
             return 0, False
         if t.state is not State.LOOKUP:
-            if request.num_computed_tokens == 0 and (t.hit or 0) > 0:
-                # Scheduled again from scratch after its load (a failed load, or a
-                # preemption): recompute it, as LMCache's connector does; what it
-                # computes is stored again.
-                log.warning("lmcache_mp connector: request %s is recomputed without the "
-                            "cache (its KV load failed or it was preempted)", t.request_id)
+            if request.num_computed_tokens == 0:
+                # Scheduled again from scratch: after a failed load (vLLM freed the
+                # blocks) or a preemption. Recompute without the cache, as LMCache's
+                # connector does; what it computes is stored again (the server keeps
+                # one copy).
+                if (t.hit or 0) > 0:
+                    log.warning("lmcache_mp connector: request %s is recomputed without "
+                                "the cache (its KV load failed or it was preempted)",
+                                t.request_id)
                 t.state, t.hit, t.stored, t.scheduled = State.READY, 0, 0, 0
                 t.block_ids.clear()
-            if request.num_computed_tokens == 0:
                 t.vllm_hit = num_computed_tokens - num_computed_tokens % self.block_size
             return 0, False
         if t.hit is None:
@@ -280,7 +282,11 @@ class SchedulerSide:
         resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
         for i, rid in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
-            extra = list(new_blocks[0]) if new_blocks and rid not in resumed else None
+            extra = list(new_blocks[0]) if new_blocks else None
+            tracker = self.trackers.get(rid)
+            if rid in resumed and tracker is not None and extra is not None:
+                tracker.block_ids = extra  # a resumed request's list is whole, not a delta
+                extra = None
             self._scheduled(step, rid, scheduler_output, extra)
         return step
 
