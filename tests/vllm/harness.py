@@ -164,6 +164,8 @@ class Engine:
         self.results: dict[str, RequestResult] = {}
         self.tokens: dict[str, list[int]] = {}
         self._aggregator: Any = None
+        #: Called once, when a step first carries a RETRIEVE, before the workers run.
+        self.on_retrieve: Any = None
 
     # ------------------------------------------------------------------ requests
     def add(self, rid: str, prompt: list[int], *, max_tokens: int = 3,
@@ -213,6 +215,11 @@ class Engine:
         )
 
         out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        if self.on_retrieve and getattr(getattr(meta, "step", None), "retrieves", list)():
+            # Between the scheduler's lookup and the workers' RETRIEVE (our connector).
+            hook, self.on_retrieve = self.on_retrieve, None
+            hook()
         wire = pickle.dumps(out)
         outputs = []
         for rank, worker in enumerate(self.workers):
@@ -312,8 +319,10 @@ def main(spec_path: str) -> None:
 
     Spec: ``connector`` ("ours" | "lmcache"), ``extra`` (kv_connector_extra_config),
     ``tp``, ``phases``: a list of ``{"requests": [{"id", "prompt", "salt"?}], "on_step":
-    {"N": [argv...]}}`` run one after the other on the same engine (``on_step`` runs a
-    command after step N of the phase, e.g. to restart the server mid-stream).
+    {"N": [argv...]}, "on_retrieve": [argv...]}`` run one after the other on the same
+    engine (``on_step`` runs a command after step N of the phase, ``on_retrieve`` when a
+    step first orders a RETRIEVE, before the workers run: e.g. to stop the server
+    between lookup and load).
     """
     import subprocess
     import time
@@ -329,6 +338,9 @@ def main(spec_path: str) -> None:
             for r in phase["requests"]:
                 eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"))
             hooks = {int(k): v for k, v in phase.get("on_step", {}).items()}
+            if "on_retrieve" in phase:
+                argv = phase["on_retrieve"]
+                eng.on_retrieve = lambda argv=argv: subprocess.run(argv, check=True)
 
             def on_step(n: int, hooks: dict[int, list[str]] = hooks) -> None:
                 if n in hooks:

@@ -209,6 +209,25 @@ def test_server_restart_mid_stream(tmp_path: Path) -> None:
         s.stop()
 
 
+def test_server_gone_between_lookup_and_load(tmp_path: Path) -> None:
+    s = start_server(*both_modes_args(f"vllmg{os.getpid()}"))
+    try:
+        p = tokens(60, 2 * CHUNK + 9)
+        run_engine(tmp_path, "ours", [s.url], [{"requests": [req("a", p)]}])
+        # The lookup hits; the server is stopped before the workers' RETRIEVE: the load
+        # fails, its blocks go to get_block_ids_with_load_errors, vLLM recomputes them
+        # (recompute policy) and the request completes with the right bytes.
+        stop = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
+        r = run_engine(tmp_path, "ours", [s.url], [
+            {"requests": [req("b", p)], "on_retrieve": stop}],
+            extra={"lmcache.mp.transfer_timeout": 5, "lmcache.mp.health_interval": 0.5})
+        assert r["stats"]["load_errors"] == 1 and r["stats"]["retrieved"] == 0
+        assert loaded(r, "b") == 0  # recomputed from the start, bytes verified
+        assert "recomputed without the cache" in r["log"]
+    finally:
+        s.stop()
+
+
 @edge_only
 def test_server_down_from_the_start(tmp_path: Path) -> None:
     from tests.conftest import free_port
