@@ -35,7 +35,8 @@ LMCACHE_CONNECTOR_WORKS = SERVER_VERSION not in ("0.5.3", "0.5.4")
 # them against the first and the last one only (CI time).
 EDGE_RELEASE = SERVER_VERSION in ("0.5.3", "0.5.6")
 edge_only = pytest.mark.skipif(not EDGE_RELEASE, reason=(
-    "release-independent (rank placement, a dead server): run against 0.5.3 and 0.5.6"))
+    "release-independent (rank placement, a dead server, a failed load): run against "
+    "0.5.3 and 0.5.6"))
 
 
 def vllm_python() -> Path:
@@ -209,6 +210,7 @@ def test_server_restart_mid_stream(tmp_path: Path) -> None:
         s.stop()
 
 
+@edge_only
 def test_server_gone_between_lookup_and_load(tmp_path: Path) -> None:
     s = start_server(*both_modes_args(f"vllmg{os.getpid()}"))
     try:
