@@ -5,7 +5,7 @@
 PY ?= python3
 VENV := .venv
 
-.PHONY: setup oracle demo test lint unit fixtures bench bench-smoke readme clean mutate mutate-report
+.PHONY: setup oracle vllm-venv demo test lint unit fixtures bench bench-smoke readme clean mutate mutate-report
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ RELEASES := 0.5.3 0.5.4 0.5.5 0.5.6 0.5.7rc2
 oracle:
 	for v in $(RELEASES); do scripts/lmcache-server.sh install --version $$v >/dev/null || exit 1; done
 
+# vLLM 0.32.0's Python tree and pure-Python deps over the oracle's torch (~0.7 GB, ~1 min):
+# the tests under tests/vllm run vLLM's real scheduler with our connector in it.
+vllm-venv: oracle
+	scripts/vllm-venv.sh
+
 demo: setup oracle
 	scripts/demo.sh
 
@@ -36,7 +41,7 @@ unit: setup
 	LMCACHE_MP_SKIP_LIVE=1 $(VENV)/bin/python -m pytest -q
 
 # The whole suite against 0.5.3, then the live tests against every other release.
-test: setup oracle lint
+test: setup oracle vllm-venv lint
 	$(VENV)/bin/python -m pytest -q -ra
 	for v in $(filter-out 0.5.3,$(RELEASES)); do \
 	  echo "== live tests against LMCache $$v"; \
@@ -87,4 +92,4 @@ bench-smoke: setup oracle
 	test -s $$out/smoke.png && rm -rf $$out
 
 clean:
-	rm -rf $(VENV) .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) .venv-vllm .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants

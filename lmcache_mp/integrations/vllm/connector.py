@@ -1,0 +1,168 @@
+"""``LMCacheMPConnector`` for vLLM, on the lmcache_mp client (no ``lmcache`` import).
+
+Load it with ``--kv-transfer-config '{"kv_connector": "LMCacheMPConnector",
+"kv_connector_module_path": "lmcache_mp.integrations.vllm", "kv_role": "kv_both",
+"kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port":
+5555}}'``. The scheduler role runs :class:`~.scheduler.SchedulerSide`, each worker a
+:class:`~.worker.WorkerSide`; this class only adapts vLLM's interface (0.32 and 0.33:
+0.33's sleep-mode hooks keep their defaults, i.e. sleep mode is not supported).
+The only module of lmcache_mp that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ...client import Client
+from ...errors import InvalidArgument
+from .config import ConnectorConfig, placement
+from .kv_caches import wrap_layers
+from .ops import StepOps
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LMCacheMPConnector", "LMCacheMPClientMetadata"]
+
+log = logging.getLogger("lmcache_mp")
+
+
+class LMCacheMPClientMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's transfer orders, sent from the scheduler to every worker."""
+
+    def __init__(self, step: StepOps) -> None:
+        self.step = step
+
+
+class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM KV connector for an LMCache MP server, built on lmcache_mp."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.cfg = ConnectorConfig.from_extra(extra)
+        pc = vllm_config.parallel_config
+        self.model_name = str(vllm_config.model_config.model)
+        if getattr(pc, "decode_context_parallel_size", 1) > 1:
+            raise InvalidArgument("decode-context parallelism is not supported by the "
+                                  "lmcache_mp connector yet")
+        n = len(self.cfg.server_urls)
+        if n > 1 and (getattr(pc, "pipeline_parallel_size", 1) > 1
+                      or getattr(pc, "data_parallel_size", 1) > 1):
+            raise InvalidArgument("several LMCache servers with pipeline or data parallelism "
+                                  "are refused (as by LMCache's connector)")
+        self.block_size = int(vllm_config.cache_config.block_size)
+        world, rank = int(pc.world_size), int(pc.rank)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        cfg = self.cfg
+
+        def client(url: str) -> Client:
+            return Client(url, timeout=cfg.mq_timeout, heartbeat_interval=cfg.heartbeat_interval)
+
+        if role == KVConnectorRole.SCHEDULER:
+            clients: dict[str, Any] = {url: client(url) for url in cfg.server_urls}
+            self.scheduler = SchedulerSide(
+                self.cfg, clients, model_name=self.model_name,
+                kv_world_size=world // n, lookup_tp_size=max(1, pc.tensor_parallel_size // n),
+                block_size=self.block_size)
+        else:
+            place = placement(self.cfg.server_urls, world, rank)
+            self.worker = WorkerSide(self.cfg, client(place.url), place,
+                                     self.model_name)
+
+    # ============================================================ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        if self.cfg.mode == "lmcache":
+            raise InvalidArgument(
+                "lmcache.mp.mp_transfer_mode 'lmcache_driven' needs memory the server can "
+                "map, and vLLM's CPU KV tensors are not shared memory: use 'auto' or "
+                "'engine_driven' (and start the server with --supported-transfer-mode auto "
+                "--shm-name NAME from LMCache 0.5.4)")
+        # One group (no hybrid KV-cache groups): layers in vLLM's registration order.
+        cache = wrap_layers(list(kv_caches.values()), self.block_size)
+        worker = self.worker
+
+        def register() -> Any:
+            return worker.client.register(
+                cache, model_name=self.model_name, mode=self.cfg.mode,
+                world_size=worker.place.kv_world_size, worker_id=worker.place.kv_worker_id,
+                timeout=self.cfg.mq_timeout)
+
+        worker.set_registration(register, self.block_size)
+
+    def _step(self) -> StepOps:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheMPClientMetadata)
+        return meta.step
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_loads(self._step())
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        # Called before the forward pass: preempted requests' blocks may be rewritten
+        # in it, so stores still reading them must finish first.
+        if (self.worker is not None and isinstance(kv_connector_metadata, LMCacheMPClientMetadata)
+                and kv_connector_metadata.step.flush_stores):
+            self.worker.flush_stores()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.start_stores(self._step())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        assert self.worker is not None
+        sending, recving = self.worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+            for client in self.scheduler.clients.values():
+                client.close()
+
+    # ========================================================= scheduler side
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        groups: tuple[list[int], ...] = blocks.get_block_ids() or ([],)
+        self.scheduler.update_state_after_alloc(request, groups[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return LMCacheMPClientMetadata(self.scheduler.build_step(scheduler_output))
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request), None

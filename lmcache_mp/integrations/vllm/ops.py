@@ -1,0 +1,40 @@
+"""What the scheduler tells the workers each step: plain, picklable transfer orders.
+
+vLLM sends the connector metadata from the scheduler to every worker process (pickled
+inside its ``SchedulerOutput``), so these are small dataclasses with no client state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["TransferOp", "StepOps"]
+
+
+@dataclass(frozen=True)
+class TransferOp:
+    """One STORE or RETRIEVE of tokens ``[start, end)`` of a request (chunk-aligned),
+    from / into ``block_ids`` (one per block of the range)."""
+
+    direction: str  # "STORE" | "RETRIEVE"
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
+    block_ids: tuple[int, ...]
+    cache_salt: str = ""
+    skip_first_n_tokens: int = 0
+
+
+@dataclass
+class StepOps:
+    ops: list[TransferOp] = field(default_factory=list)
+    #: vLLM preempted requests this step: their blocks may be reused, so pending
+    #: stores must finish before the forward pass writes into them.
+    flush_stores: bool = False
+
+    def retrieves(self) -> list[TransferOp]:
+        return [op for op in self.ops if op.direction == "RETRIEVE"]
+
+    def stores(self) -> list[TransferOp]:
+        return [op for op in self.ops if op.direction == "STORE"]

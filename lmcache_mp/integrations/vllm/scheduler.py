@@ -1,0 +1,359 @@
+"""The scheduler side: lookups, lock bookkeeping and the per-step transfer orders.
+
+It follows LMCache's connector (``LMCacheMPConnector``, 0.5.6): a request's
+chunk-aligned prefix is looked up on every server without waiting (vLLM is told "not
+yet" until every answer is in); the hit is the minimum over servers (extra locks are
+freed); chunks vLLM's own prefix cache already holds have their locks freed, and the
+RETRIEVE skips them; newly computed whole prompt chunks are stored; a finished request
+ends its server session. While a server does not answer its health probe, lookups
+report 0 and nothing is sent to it, so the engine never waits on a dead server.
+
+vLLM objects are read by attribute only (``request_id``, ``all_token_ids``,
+``num_prompt_tokens``, ``cache_salt``, ...), so this runs in unit tests without vLLM.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import LMCacheMPError
+from ...keys import CacheKey
+from .config import ConnectorConfig, salt_usable
+from .ops import StepOps, TransferOp
+
+__all__ = ["SchedulerSide", "State"]
+
+log = logging.getLogger("lmcache_mp")
+
+
+class State(enum.Enum):
+    LOOKUP = "lookup"        # lookup sent (or not yet possible); vLLM has not allocated
+    LOADING = "loading"      # blocks allocated for a hit; RETRIEVE goes out next step
+    READY = "ready"          # computing / storing
+    BYPASS = "bypass"        # never touches the cache (bad salt, embeds, failed load)
+
+
+@dataclass
+class _Lookup:
+    submit: Any                       # ReplyFuture of LOOKUP's acknowledgement
+    query: Any = None                 # ReplyFuture of QUERY_PREFETCH_STATUS
+    chunks: int | None = None         # the answer; 0 after an error
+
+
+@dataclass
+class Tracker:
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    salt: str
+    state: State = State.LOOKUP
+    lookups: dict[str, _Lookup] = field(default_factory=dict)
+    lookup_end: int = 0               # the chunk-aligned prefix looked up
+    hit: int | None = None            # tokens cached on every server (None: not known)
+    vllm_hit: int = 0
+    stored: int = 0                   # tokens [0, stored) need no STORE
+    scheduled: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """``clients`` maps each server URL to a lmcache_mp ``Client`` (or a fake);
+    ``kv_world_size`` is the KV world size each server sees."""
+
+    def __init__(self, cfg: ConnectorConfig, clients: dict[str, Any], *, model_name: str,
+                 kv_world_size: int, block_size: int, lookup_tp_size: int = 1,
+                 start_health: bool = True) -> None:
+        self.cfg = cfg
+        self.clients = clients
+        self.model_name = model_name
+        self.kv_world_size = kv_world_size
+        self.block_size = block_size
+        # LOOKUP's tp_size (read locks per chunk), as LMCache sends it: TP size per server.
+        self.lookup_tp_size = lookup_tp_size
+        self.trackers: dict[str, Tracker] = {}
+        self.chunk_size: int | None = None
+        self.healthy = {url: False for url in clients}
+        self._background: list[Any] = []  # fire-and-forget futures, reaped each step
+        self._stop = threading.Event()
+        self._health_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.check_health()
+        if start_health:
+            self._thread = threading.Thread(target=self._health_loop, daemon=True,
+                                            name="lmcache-mp-vllm-health")
+            self._thread.start()
+
+    # ------------------------------------------------------------------ health
+    def check_health(self) -> None:
+        """Probe every server once (NOOP); learn the chunk size from the first that
+        answers. Runs on the health thread, so a dead server costs the engine nothing."""
+        with self._health_lock:
+            for url, client in self.clients.items():
+                try:
+                    client.noop(timeout=self.cfg.health_interval)
+                    if self.chunk_size is None:
+                        self.chunk_size = int(client.chunk_size(timeout=self.cfg.mq_timeout))
+                    ok = True
+                except LMCacheMPError as err:
+                    ok = False
+                    if self.healthy.get(url, True):
+                        log.warning("lmcache_mp connector: server %s is not answering (%s); "
+                                    "lookups report no hit until it does", url, err)
+                if ok and not self.healthy[url]:
+                    log.info("lmcache_mp connector: server %s answers", url)
+                self.healthy[url] = ok
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.cfg.health_interval):
+            self.check_health()
+
+    def all_healthy(self) -> bool:
+        return self.chunk_size is not None and all(self.healthy.values())
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.cfg.health_interval + 5)
+
+    # -------------------------------------------------------------- trackers
+    def _tracker(self, request: Any) -> Tracker:
+        t = self.trackers.get(request.request_id)
+        if t is None:
+            salt = getattr(request, "cache_salt", None) or ""
+            t = Tracker(request.request_id, tuple(request.all_token_ids),
+                        int(request.num_prompt_tokens), salt)
+            reason = _bypass_reason(request, salt)
+            if reason:
+                log.debug("lmcache_mp connector: request %s bypasses the cache: %s",
+                          request.request_id, reason)
+                t.state = State.BYPASS
+            self.trackers[t.request_id] = t
+        return t
+
+    def _key(self, t: Tracker, start: int, end: int) -> CacheKey:
+        return CacheKey(model_name=self.model_name, world_size=self.kv_world_size,
+                        worker_id=None, token_ids=t.token_ids, start=start, end=end,
+                        request_id=t.request_id, cache_salt=t.salt)
+
+    # ------------------------------------------------------------- lookups
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        t = self._tracker(request)
+        if t.state is State.BYPASS:
+            return 0, False
+        if t.state is not State.LOOKUP:
+            if request.num_computed_tokens == 0:
+                # Scheduled again from scratch: after a failed load (vLLM freed the
+                # blocks) or a preemption. Recompute without the cache, as LMCache's
+                # connector does; what it computes is stored again (the server keeps
+                # one copy).
+                if (t.hit or 0) > 0:
+                    log.warning("lmcache_mp connector: request %s is recomputed without "
+                                "the cache (its KV load failed or it was preempted)",
+                                t.request_id)
+                t.state, t.hit, t.stored, t.scheduled = State.READY, 0, 0, 0
+                t.block_ids.clear()
+                t.vllm_hit = num_computed_tokens - num_computed_tokens % self.block_size
+            return 0, False
+        if t.hit is None:
+            self._advance_lookup(t)
+            if t.hit is None:
+                return None, True
+        hit = t.hit
+        t.vllm_hit = num_computed_tokens - num_computed_tokens % self.block_size
+        t.stored = hit
+        if hit == 0:
+            return 0, False
+        need = max(0, hit - num_computed_tokens)
+        if hit == len(t.token_ids):
+            need = max(0, need - 1)  # vLLM must compute at least the last token
+        return need, need > 0
+
+    def _advance_lookup(self, t: Tracker) -> None:
+        """Send the lookups, or collect their answers, without blocking."""
+        chunk = self.chunk_size
+        if not t.lookups:
+            end = 0 if chunk is None else len(t.token_ids) // chunk * chunk
+            if end == 0 or not self.all_healthy():
+                t.hit = 0
+                return
+            t.lookup_end = end
+            key = self._key(t, 0, end)
+            for url, client in self.clients.items():
+                t.lookups[url] = _Lookup(_try(functools.partial(
+                    client.submit_lookup_async, key, self.lookup_tp_size,
+                    timeout=self.cfg.lookup_timeout)))
+        pending = False
+        for url, lk in t.lookups.items():
+            if lk.chunks is None:
+                self._poll(url, t, lk)
+            pending = pending or lk.chunks is None
+        if pending:
+            return
+        assert chunk is not None
+        counts = {url: lk.chunks or 0 for url, lk in t.lookups.items()}
+        least = min(counts.values())
+        for url, n in counts.items():  # locks beyond the common prefix are not retrieved
+            if n > least:
+                self._free(url, t, least * chunk, n * chunk)
+            t.lookups[url].chunks = least
+        t.hit = least * chunk
+
+    def _poll(self, url: str, t: Tracker, lk: _Lookup) -> None:
+        client = self.clients[url]
+        try:
+            if lk.query is None:
+                if lk.submit is None or not lk.submit.done():
+                    if lk.submit is None:
+                        lk.chunks = 0
+                    return
+                lk.submit.result()
+                lk.query = client.query_prefetch_status_async(
+                    t.request_id, timeout=self.cfg.lookup_timeout)
+            if not lk.query.done():
+                return
+            chunks = lk.query.result()
+            if chunks is None:  # still running on the server: ask again next time
+                lk.query = client.query_prefetch_status_async(
+                    t.request_id, timeout=self.cfg.lookup_timeout)
+                return
+            lk.chunks = int(chunks)
+        except LMCacheMPError as err:
+            log.warning("lmcache_mp connector: lookup of %s on %s failed (%s); no hit",
+                        t.request_id, url, err)
+            lk.chunks = 0
+
+    def _free(self, url: str, t: Tracker, start: int, end: int) -> None:
+        if end <= start or not self.healthy.get(url):
+            return
+        key = self._key(t, start, end)
+        client = self.clients[url]
+        self._send(lambda: client.free_lookup_locks_async(key, self.lookup_tp_size,
+                                                          timeout=self.cfg.lookup_timeout))
+
+    def _send(self, submit: Callable[[], Any]) -> None:
+        future = _try(submit)
+        if future is not None:
+            self._background.append(future)
+
+    # ------------------------------------------------------------ allocation
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int],
+                                 num_external_tokens: int) -> None:
+        t = self.trackers.get(request.request_id)
+        if t is None:
+            return
+        if len(block_ids) > len(t.block_ids):
+            t.block_ids.extend(block_ids[len(t.block_ids):])
+        if t.state is not State.LOOKUP:
+            return
+        hit = t.hit or 0
+        chunk = self.chunk_size or 1
+        loading = num_external_tokens > 0 and hit > t.vllm_hit
+        t.state = State.LOADING if loading else State.READY
+        # vLLM's own prefix cache covers [0, vllm_hit): those chunks' locks are not
+        # needed (a partly covered chunk is retrieved, which releases its lock).
+        free_end = t.vllm_hit // chunk * chunk if loading else hit
+        if free_end > 0:
+            for url in self.clients:
+                self._free(url, t, 0, free_end)
+
+    # ------------------------------------------------------------------ steps
+    def build_step(self, scheduler_output: Any) -> StepOps:
+        self._background = [f for f in self._background if not f.done()]
+        step = StepOps(flush_stores=bool(getattr(scheduler_output, "preempted_req_ids", None)))
+        chunk = self.chunk_size
+        for t in self.trackers.values():
+            if t.state is State.LOADING:
+                t.state = State.READY
+                assert chunk is not None and t.hit is not None
+                start = t.vllm_hit // chunk * chunk
+                step.ops.append(TransferOp(
+                    "RETRIEVE", t.request_id, t.token_ids, start, t.hit,
+                    self._blocks(t, start, t.hit), t.salt, t.vllm_hit - start))
+        for new in scheduler_output.scheduled_new_reqs:
+            self._scheduled(step, new.req_id, scheduler_output, None)
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
+        for i, rid in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            extra = list(new_blocks[0]) if new_blocks else None
+            tracker = self.trackers.get(rid)
+            if rid in resumed and tracker is not None and extra is not None:
+                tracker.block_ids = extra  # a resumed request's list is whole, not a delta
+                extra = None
+            self._scheduled(step, rid, scheduler_output, extra)
+        return step
+
+    def _scheduled(self, step: StepOps, rid: str, out: Any, new_blocks: list[int] | None
+                   ) -> None:
+        t = self.trackers.get(rid)
+        if t is None:
+            return
+        if new_blocks:
+            t.block_ids.extend(new_blocks)
+        t.scheduled += int(out.num_scheduled_tokens.get(rid, 0))
+        op = self._store_op(t)
+        if op is not None:
+            step.ops.append(op)
+
+    def _store_op(self, t: Tracker) -> TransferOp | None:
+        chunk = self.chunk_size
+        if t.state is State.BYPASS or chunk is None or not self.all_healthy():
+            return None
+        computed = t.scheduled + max(t.vllm_hit, t.hit or 0)
+        limit = len(t.token_ids) if self.cfg.save_decode_cache else t.num_prompt_tokens
+        ready = min(limit, len(t.token_ids), len(t.block_ids) * self.block_size, computed)
+        n = (ready - t.stored) // chunk
+        if n < 1:
+            return None
+        start, t.stored = t.stored, t.stored + n * chunk
+        return TransferOp("STORE", t.request_id, t.token_ids, start, t.stored,
+                          self._blocks(t, start, t.stored), t.salt)
+
+    def _blocks(self, t: Tracker, start: int, end: int) -> tuple[int, ...]:
+        return tuple(t.block_ids[start // self.block_size: end // self.block_size])
+
+    # -------------------------------------------------------------- finishing
+    def request_finished(self, request: Any) -> bool:
+        """Forget the request and end its server sessions. True: vLLM keeps its blocks
+        until the workers report its stores done (they report every request)."""
+        t = self.trackers.pop(request.request_id, None)
+        if t is not None and t.state is State.LOOKUP and t.lookups:
+            # Finished (aborted) before its blocks were allocated: release the locks
+            # its lookup took (all it may take while the answer is not in).
+            for url, lk in t.lookups.items():
+                chunks = lk.chunks if lk.chunks is not None else t.lookup_end // (
+                    self.chunk_size or 1)
+                self._free(url, t, 0, chunks * (self.chunk_size or 1))
+        for url, client in self.clients.items():
+            if self.healthy.get(url) and t is not None and t.state is not State.BYPASS:
+                self._send(functools.partial(client.end_session_async, request.request_id,
+                                             timeout=self.cfg.lookup_timeout))
+        return True
+
+
+def _try(submit: Callable[[], Any]) -> Any:
+    try:
+        return submit()
+    except LMCacheMPError as err:
+        log.warning("lmcache_mp connector: %s", err)
+        return None
+
+
+def _bypass_reason(request: Any, salt: str) -> str | None:
+    if not salt_usable(salt):
+        return "a cache salt LMCache would reject (over 128 characters, or @ / \\ NUL)"
+    if getattr(request, "prompt_embeds", None) is not None:
+        return "a prompt-embeds request (its placeholder token ids collide)"
+    if getattr(request, "mm_features", None):
+        return "a multimodal request (placeholder hashing is not supported yet)"
+    token_ids = request.all_token_ids
+    if any(not 0 <= int(x) < 2**32 for x in token_ids[: int(request.num_prompt_tokens)]):
+        return "token ids outside uint32"
+    return None

@@ -1,0 +1,194 @@
+"""The worker side: one registration per rank, RETRIEVE / STORE as ordered, results.
+
+Transfers are submitted without waiting (retrieves when the step's metadata arrives,
+stores after the forward pass) and collected in :meth:`WorkerSide.get_finished`, which
+only polls. A request vLLM reported finished is reported back once its stores are
+done; a failed or dropped RETRIEVE reports its blocks through
+:meth:`load_errors` so vLLM recomputes them. While the client's heartbeat says the
+server is down nothing is sent (loads fail at once, stores are skipped), so a dead
+server never holds the forward pass; the registration re-registers itself when the
+server is back (lmcache_mp's recovery).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import LMCacheMPError
+from ...keys import CacheKey
+from .config import ConnectorConfig, RankPlacement
+from .ops import StepOps, TransferOp
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger("lmcache_mp")
+
+
+class WorkerSide:
+    """``client``: a lmcache_mp ``Client`` for this rank's server (or a fake);
+    ``register``: makes the registration once the KV caches are known."""
+
+    def __init__(self, cfg: ConnectorConfig, client: Any, place: RankPlacement,
+                 model_name: str) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.place = place
+        self.model_name = model_name
+        self.reg: Any = None
+        self._register: Callable[[], Any] | None = None
+        self._next_register = 0.0
+        self.block_size = 0
+        self._loads: dict[str, list[tuple[Any, tuple[int, ...]]]] = {}
+        self._stores: dict[str, list[Any]] = {}
+        self._finished: set[str] = set()   # vLLM says finished; stores may still run
+        self._errors: set[int] = set()
+        #: Counters for tests and logs.
+        self.stats = {"retrieved": 0, "stored": 0, "load_errors": 0, "store_errors": 0,
+                      "skipped_stores": 0}
+
+    # ----------------------------------------------------------- registering
+    def set_registration(self, register: Callable[[], Any], block_size: int) -> None:
+        """Register now if the server answers; otherwise retry before later transfers
+        (every few seconds), and fail loads meanwhile."""
+        self._register = register
+        self.block_size = block_size
+        self._ensure_registered()
+
+    def _ensure_registered(self) -> bool:
+        if self.reg is not None:
+            return True
+        if self._register is None or time.monotonic() < self._next_register:
+            return False
+        try:
+            self.reg = self._register()
+            log.info("lmcache_mp connector: rank %d registered with %s (%s mode, instance "
+                     "%d)", self.place.kv_worker_id, self.place.url, self.reg.mode,
+                     self.reg.instance_id)
+            return True
+        except LMCacheMPError as err:
+            log.warning("lmcache_mp connector: cannot register the KV cache with %s yet "
+                        "(%s); retrying", self.place.url, err)
+            self._next_register = time.monotonic() + self.cfg.health_interval
+            return False
+
+    def _usable(self) -> bool:
+        return self._ensure_registered() and bool(self.client.healthy)
+
+    def _key(self, op: TransferOp) -> CacheKey:
+        return CacheKey(model_name=self.model_name, world_size=self.place.kv_world_size,
+                        worker_id=self.place.kv_worker_id, token_ids=op.token_ids,
+                        start=op.start, end=op.end, request_id=op.request_id,
+                        cache_salt=op.cache_salt)
+
+    # -------------------------------------------------------------- transfers
+    def start_loads(self, step: StepOps) -> None:
+        for op in step.retrieves():
+            future = None
+            if self._usable():
+                try:
+                    future = self.reg.retrieve_async(
+                        self._key(op), list(op.block_ids),
+                        skip_first_n_tokens=op.skip_first_n_tokens,
+                        timeout=self.cfg.transfer_timeout)
+                except LMCacheMPError as err:
+                    log.warning("lmcache_mp connector: RETRIEVE %s not sent: %s",
+                                op.request_id, err)
+            self._loads.setdefault(op.request_id, []).append((future, op.block_ids))
+
+    def start_stores(self, step: StepOps) -> None:
+        for op in step.stores():
+            if not self._usable():
+                self.stats["skipped_stores"] += 1
+                continue
+            try:
+                future = self.reg.store_async(self._key(op), list(op.block_ids),
+                                              timeout=self.cfg.transfer_timeout)
+            except LMCacheMPError as err:
+                log.warning("lmcache_mp connector: STORE %s not sent: %s", op.request_id, err)
+                self.stats["store_errors"] += 1
+                continue
+            self._stores.setdefault(op.request_id, []).append(future)
+
+    def flush_stores(self) -> None:
+        """Wait for every pending store (before preempted requests' blocks are reused)."""
+        for rid in list(self._stores):
+            for future in self._stores[rid]:
+                self._store_done(rid, future)
+            self._stores.pop(rid, None)
+
+    def _store_done(self, rid: str, future: Any) -> None:
+        try:
+            ok = future.result()
+        except LMCacheMPError as err:
+            ok = False
+            log.warning("lmcache_mp connector: STORE of %s failed: %s", rid, err)
+        self.stats["stored" if ok else "store_errors"] += 1
+
+    # ---------------------------------------------------------------- results
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(requests whose stores are done after vLLM finished them, requests whose
+        loads are done). Only polls: nothing here waits on the server."""
+        self._finished |= set(finished_req_ids)
+        for rid in list(self._stores):
+            left = []
+            for future in self._stores[rid]:
+                if future.done():
+                    self._store_done(rid, future)
+                else:
+                    left.append(future)
+            if left:
+                self._stores[rid] = left
+            else:
+                del self._stores[rid]
+        sending = {rid for rid in self._finished if rid not in self._stores}
+        self._finished -= sending
+        recving = set()
+        for rid in list(self._loads):
+            loads = self._loads[rid]
+            if any(f is not None and not f.done() for f, _ in loads):
+                continue
+            for future, blocks in loads:
+                if not self._load_ok(rid, future):
+                    self._errors.update(blocks)
+                    self.stats["load_errors"] += 1
+                else:
+                    self.stats["retrieved"] += 1
+            del self._loads[rid]
+            recving.add(rid)
+        return sending, recving
+
+    def _load_ok(self, rid: str, future: Any) -> bool:
+        if future is None:
+            return False
+        try:
+            ok = bool(future.result())
+        except LMCacheMPError as err:
+            log.warning("lmcache_mp connector: RETRIEVE of %s failed: %s; vLLM recomputes",
+                        rid, err)
+            return False
+        if not ok:
+            log.warning("lmcache_mp connector: RETRIEVE of %s found a chunk missing; vLLM "
+                        "recomputes", rid)
+        return ok
+
+    def load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # ----------------------------------------------------------------- closing
+    def shutdown(self) -> None:
+        deadline = time.monotonic() + self.cfg.transfer_timeout
+        for rid in list(self._stores):
+            for future in self._stores.pop(rid):
+                if time.monotonic() < deadline:
+                    self._store_done(rid, future)
+        if self.reg is not None:
+            try:
+                self.reg.unregister(timeout=min(self.cfg.mq_timeout, 10.0))
+            except LMCacheMPError as err:
+                log.warning("lmcache_mp connector: unregister: %s", err)
+            self.reg = None
+        self.client.close()

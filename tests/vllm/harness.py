@@ -1,0 +1,367 @@
+"""Drives vLLM's real Scheduler and worker-side connector machinery on a CPU, offline.
+
+Real: ``VllmConfig`` (a local tiny Llama config, no weights, no tokenizer),
+``Scheduler``, ``Request`` with vLLM's block hasher, the connector built by
+``KVConnectorFactory`` for both roles, ``KVConnectorModelRunnerMixin``'s per-step
+wiring, ``KVOutputAggregator`` over the ranks, ``update_from_output``. Faked: the
+forward pass (it writes a token-derived pattern into the KV blocks it computes) and
+sampling (a fixed next token). The scheduler output is pickled on its way to the
+workers, as between processes. One KV tensor per layer per rank, NHD
+``[2, num_blocks, block_size, kv_heads, head_dim]`` float16, as vLLM allocates them.
+
+When a request is first scheduled with ``c`` tokens already computed (vLLM's own
+prefix cache, or a connector load), positions ``[0, c)`` of its blocks are checked
+against the pattern on every rank: a load that wrote wrong bytes fails the run.
+
+Runs under any Python with vLLM importable: ``.venv-vllm`` (our connector), or an
+oracle venv with vLLM's tree on the path (LMCache's own connector), see ``cross.py``.
+Also a script: ``python harness.py SPEC.json`` prints a JSON result.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import pickle
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import torch  # noqa: E402
+
+NUM_LAYERS, KV_HEADS, HEADS, HEAD_DIM, VOCAB = 2, 2, 4, 16, 1000
+OURS = ("LMCacheMPConnector", "lmcache_mp.integrations.vllm")
+LMCACHE = ("LMCacheMPConnector", "lmcache.integration.vllm.lmcache_mp_connector")
+
+
+def model_dir() -> str:
+    """A directory holding only a tiny Llama config.json (same path every run, so the
+    model name, part of the cache key, is the same for every engine)."""
+    path = os.path.join(tempfile.gettempdir(), "lmcache_mp_vllm_tiny_llama")
+    os.makedirs(path, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
+           "num_key_value_heads": KV_HEADS, "num_hidden_layers": NUM_LAYERS,
+           "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 4096,
+           "torch_dtype": "float16", "rms_norm_eps": 1e-5}
+    target = os.path.join(path, "config.json")
+    if not os.path.exists(target):
+        with open(target + ".tmp", "w") as f:
+            json.dump(cfg, f)
+        os.replace(target + ".tmp", target)
+    return path
+
+
+def pattern(rank: int, layer: int, tokens: torch.Tensor, positions: torch.Tensor
+            ) -> torch.Tensor:
+    """KV values for tokens at positions: [2, n, KV_HEADS, HEAD_DIM] float16, exact
+    small multiples of 1/8 (no rounding), different per rank, layer, plane, head, dim."""
+    kv = torch.arange(2).view(2, 1, 1, 1)
+    h = torch.arange(KV_HEADS).view(1, 1, KV_HEADS, 1)
+    d = torch.arange(HEAD_DIM).view(1, 1, 1, HEAD_DIM)
+    t = tokens.view(1, -1, 1, 1)
+    p = positions.view(1, -1, 1, 1)
+    v = (t * 31 + p * 7 + layer * 13 + rank * 101 + kv * 3 + h * 11 + d * 5) % 997
+    return (v.to(torch.float32) / 8).to(torch.float16)
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    first_computed: int = -1      # tokens already computed when first scheduled
+    verified: bool = True
+
+
+class Engine:
+    """One vLLM engine: a scheduler and ``tp`` worker ranks, each with its KV tensors."""
+
+    def __init__(self, connector: tuple[str, str], extra: dict[str, Any], *, tp: int = 1,
+                 num_blocks: int = 96, block_size: int = 16, model: str | None = None,
+                 prefix_caching: bool = True) -> None:
+        from vllm.config import (
+            CacheConfig,
+            DeviceConfig,
+            KVTransferConfig,
+            ModelConfig,
+            ParallelConfig,
+            SchedulerConfig,
+            VllmConfig,
+            set_current_vllm_config,
+        )
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+        )
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        self.block_size, self.num_blocks, self.tp = block_size, num_blocks, tp
+        model_cfg = ModelConfig(model=model or model_dir(), skip_tokenizer_init=True,
+                                dtype="float16", max_model_len=2048)
+        kv_cfg = KVTransferConfig(kv_connector=connector[0],
+                                  kv_connector_module_path=connector[1], kv_role="kv_both",
+                                  kv_connector_extra_config=extra,
+                                  kv_load_failure_policy="recompute")
+        self.config = VllmConfig(
+            model_config=model_cfg,
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+            scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048,
+                                             max_model_len=2048, is_encoder_decoder=False),
+            parallel_config=ParallelConfig(tensor_parallel_size=tp),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=kv_cfg,
+        )
+        layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS,
+                                 head_size=HEAD_DIM, dtype=torch.float16)
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * num_blocks,
+                                            layers=[n], layer_stride=0,
+                                            block_stride=spec.page_size_bytes)
+                              for n in layer_names],
+            kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)],
+        )
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        # What the engine core resolves before profiling (vLLM's default layout).
+        self.config.cache_config.kv_cache_layout = "NHD"
+        self.kv_cache_config.kv_cache_layout = "NHD"
+        init_none_hash(sha256)
+        self.hasher_fn = sha256
+        with set_current_vllm_config(self.config):
+            self.scheduler = Scheduler(
+                vllm_config=self.config, kv_cache_config=self.kv_cache_config,
+                structured_output_manager=StructuredOutputManager(self.config),
+                block_size=block_size, log_stats=False)
+            self.workers: list[Any] = []
+            self.kv: list[dict[str, torch.Tensor]] = []
+            for rank in range(tp):
+                cfg = copy.deepcopy(self.config)
+                cfg.parallel_config.rank = rank
+                with set_current_vllm_config(cfg):
+                    w = KVConnectorFactory.create_connector(
+                        config=cfg, role=KVConnectorRole.WORKER,
+                        kv_cache_config=self.kv_cache_config)
+                # Layer tensors as views into one allocation, as vLLM may hand them over.
+                backing = torch.zeros(NUM_LAYERS, 2, num_blocks, block_size, KV_HEADS,
+                                      HEAD_DIM, dtype=torch.float16)
+                caches = {n: backing[i] for i, n in enumerate(layer_names)}
+                w.register_kv_caches(caches)
+                self.workers.append(w)
+                self.kv.append(caches)
+        self.layer_names = layer_names
+        self.results: dict[str, RequestResult] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self._aggregator: Any = None
+        #: Called once, when a step first carries a RETRIEVE, before the workers run.
+        self.on_retrieve: Any = None
+
+    # ------------------------------------------------------------------ requests
+    def add(self, rid: str, prompt: list[int], *, max_tokens: int = 3,
+            cache_salt: str | None = None) -> None:
+        from vllm import SamplingParams
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        req = Request(request_id=rid, prompt_token_ids=list(prompt),
+                      sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                      pooling_params=None, cache_salt=cache_salt,
+                      block_hasher=get_request_block_hasher(self.block_size, self.hasher_fn))
+        self.scheduler.add_request(req)
+        self.results[rid] = RequestResult(len(prompt))
+        self.tokens[rid] = list(prompt)
+
+    def run(self, deadline_s: float = 120.0, on_step: Any = None) -> dict[str, RequestResult]:
+        """Step until every request finished (a wall-clock limit: in-flight transfers
+        have their own deadlines, and an engine that never finishes is the failure)."""
+        import time as _time
+
+        limit = _time.monotonic() + deadline_s
+        steps = 0
+        while self.scheduler.has_requests():
+            if _time.monotonic() > limit:
+                raise RuntimeError(f"requests still unfinished after {deadline_s} s: "
+                                   f"{self._states()}")
+            self.step()
+            steps += 1
+            if on_step is not None:
+                on_step(steps)
+        return self.results
+
+    def _states(self) -> dict[str, str]:
+        return {rid: f"{r.status.name} computed={r.num_computed_tokens}"
+                for rid, r in self.scheduler.requests.items()}
+
+    def step(self) -> None:
+        import time as _time
+
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.worker.kv_connector_model_runner_mixin import (
+            KVConnectorModelRunnerMixin,
+        )
+
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        if self.on_retrieve and getattr(getattr(meta, "step", None), "retrieves", list)():
+            # Between the scheduler's lookup and the workers' RETRIEVE (our connector).
+            hook, self.on_retrieve = self.on_retrieve, None
+            hook()
+        wire = pickle.dumps(out)
+        outputs = []
+        for rank, worker in enumerate(self.workers):
+            sout = pickle.loads(wire)
+            kv_transfer_state._KV_CONNECTOR_AGENT = worker
+            with set_forward_context(None, self.config), \
+                    KVConnectorModelRunnerMixin._get_kv_connector_output(sout) as kvo:
+                self._forward(rank, sout)
+            outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={},
+                                             kv_connector_output=kvo))
+        kv_transfer_state._KV_CONNECTOR_AGENT = None
+        if self._aggregator is None:  # one for the engine's life: it counts across steps
+            self._aggregator = KVOutputAggregator.from_connector(self.workers[0],
+                                                                 len(self.workers))
+        kvo = self._aggregator.aggregate(outputs).kv_connector_output
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.scheduler.requests[rid]
+            done = req.num_computed_tokens + out.num_scheduled_tokens[rid]
+            sampled.append([7 + len(req.output_token_ids)] if done >= req.num_tokens else [])
+        mro = ModelRunnerOutput(req_ids=req_ids,
+                                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kvo)
+        self.scheduler.update_from_output(out, mro)
+        if not req_ids:
+            _time.sleep(0.005)  # only transfers in flight: let them progress
+
+    def _blocks(self, rid: str, sout: Any) -> list[int]:
+        req = self.scheduler.requests.get(rid)
+        if req is None:
+            return []
+        return list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+
+    def _forward(self, rank: int, sout: Any) -> None:
+        sched = [(n.req_id, n.num_computed_tokens) for n in sout.scheduled_new_reqs]
+        cached = sout.scheduled_cached_reqs
+        sched += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for rid, computed in sched:
+            n = sout.num_scheduled_tokens[rid]
+            blocks = self._blocks(rid, sout)
+            req = self.scheduler.requests[rid]
+            tokens = list(req.all_token_ids)
+            res = self.results[rid]
+            if res.first_computed < 0 and rank == 0:
+                res.first_computed = computed
+            if computed and res.first_computed == computed:
+                res.verified &= self._check(rank, blocks, tokens, computed)
+            pos = torch.arange(computed, computed + n)
+            tok = torch.tensor(tokens[computed:computed + n])
+            bs = self.block_size
+            slots_b = torch.tensor([blocks[p // bs] for p in pos.tolist()])
+            slots_o = pos % bs
+            for li, name in enumerate(self.layer_names):
+                layer = self.kv[rank][name]
+                layer[:, slots_b, slots_o] = pattern(rank, li, tok, pos)
+
+    def _check(self, rank: int, blocks: list[int], tokens: list[int], upto: int) -> bool:
+        pos = torch.arange(0, upto)
+        tok = torch.tensor(tokens[:upto])
+        bs = self.block_size
+        slots_b = torch.tensor([blocks[p // bs] for p in pos.tolist()])
+        slots_o = pos % bs
+        for li, name in enumerate(self.layer_names):
+            got = self.kv[rank][name][:, slots_b, slots_o]
+            if not torch.equal(got, pattern(rank, li, tok, pos)):
+                return False
+        return True
+
+    def drain(self, deadline_s: float = 60.0) -> None:
+        """Step until every finished request's blocks are released, i.e. the workers
+        reported its stores done (vLLM keeps such requests until then)."""
+        import time as _time
+
+        limit = _time.monotonic() + deadline_s
+        while self.scheduler.requests or self.scheduler.has_requests():
+            if _time.monotonic() > limit:
+                raise RuntimeError(f"requests still held after {deadline_s} s (stores "
+                                   f"never reported done): {self._states()}")
+            self.step()
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        conn = getattr(self.scheduler, "connector", None)
+        if conn is not None:
+            conn.shutdown()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (n,), generator=g).tolist()
+
+
+def main(spec_path: str) -> None:
+    """Run one scripted engine from a JSON spec and print its result as one JSON line.
+
+    Spec: ``connector`` ("ours" | "lmcache"), ``extra`` (kv_connector_extra_config),
+    ``tp``, ``phases``: a list of ``{"requests": [{"id", "prompt", "salt"?}], "on_step":
+    {"N": [argv...]}, "on_retrieve": [argv...]}`` run one after the other on the same
+    engine (``on_step`` runs a command after step N of the phase, ``on_retrieve`` when a
+    step first orders a RETRIEVE, before the workers run: e.g. to stop the server
+    between lookup and load).
+    """
+    import subprocess
+    import time
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    which = LMCACHE if spec["connector"] == "lmcache" else OURS
+    eng = Engine(which, spec["extra"], tp=spec.get("tp", 1))
+    out: dict[str, Any] = {"requests": {}, "phase_seconds": []}
+    try:
+        for phase in spec["phases"]:
+            t0 = time.monotonic()
+            for r in phase["requests"]:
+                eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"))
+            hooks = {int(k): v for k, v in phase.get("on_step", {}).items()}
+            if "on_retrieve" in phase:
+                argv = phase["on_retrieve"]
+                eng.on_retrieve = lambda argv=argv: subprocess.run(argv, check=True)
+
+            def on_step(n: int, hooks: dict[int, list[str]] = hooks) -> None:
+                if n in hooks:
+                    subprocess.run(hooks[n], check=True)
+
+            eng.run(on_step=on_step)
+            eng.drain()
+            out["phase_seconds"].append(round(time.monotonic() - t0, 3))
+            if "sleep_after" in phase:
+                time.sleep(phase["sleep_after"])
+        out["requests"] = {rid: vars(r) for rid, r in eng.results.items()}
+        if which is OURS:
+            stats: dict[str, int] = {}
+            for w in eng.workers:
+                for k, v in w.worker.stats.items():
+                    stats[k] = stats.get(k, 0) + v
+            out["stats"] = stats
+    finally:
+        eng.shutdown()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,376 @@
+"""The connector's state machine and error paths against a fake client (no vLLM, no
+server): lookups that are not answered yet, hits split between vLLM's prefix cache and
+the server, lock frees, store ranges, failed loads, dead servers, configuration."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lmcache_mp.errors import InvalidArgument, RequestTimeout, ServerUnavailable
+from lmcache_mp.integrations.vllm.config import ConnectorConfig, placement
+from lmcache_mp.integrations.vllm.ops import StepOps, TransferOp
+from lmcache_mp.integrations.vllm.scheduler import SchedulerSide, State
+from lmcache_mp.integrations.vllm.worker import WorkerSide
+
+CHUNK, BS = 64, 16
+
+
+class Future:
+    def __init__(self, value: Any = None, error: Exception | None = None,
+                 ready: bool = True) -> None:
+        self.value, self.error, self.ready = value, error, ready
+
+    def done(self) -> bool:
+        return self.ready
+
+    def result(self) -> Any:
+        if self.error:
+            raise self.error
+        return self.value
+
+
+class FakeClient:
+    def __init__(self, hits: int = 0) -> None:
+        self.hits = hits
+        self.calls: list[tuple[Any, ...]] = []
+        self.down = False
+        self.healthy = True
+        self.ack = Future(None)
+        self.answers: list[Any] = []
+
+    def noop(self, timeout: float) -> str:
+        if self.down:
+            raise ServerUnavailable("down")
+        return "ok"
+
+    def chunk_size(self, timeout: float) -> int:
+        return CHUNK
+
+    def submit_lookup_async(self, key: Any, tp: int, timeout: float) -> Future:
+        self.calls.append(("LOOKUP", key.start, key.end, key.cache_salt, key.world_size))
+        return self.ack
+
+    def query_prefetch_status_async(self, rid: str, timeout: float) -> Future:
+        self.calls.append(("QUERY", rid))
+        return self.answers.pop(0) if self.answers else Future(self.hits)
+
+    def free_lookup_locks_async(self, key: Any, tp: int, timeout: float) -> Future:
+        self.calls.append(("FREE", key.start, key.end))
+        return Future(None)
+
+    def end_session_async(self, rid: str, timeout: float) -> Future:
+        self.calls.append(("END", rid))
+        return Future(None)
+
+    def ops(self, name: str) -> list[tuple[Any, ...]]:
+        return [c for c in self.calls if c[0] == name]
+
+
+def request(n: int, rid: str = "r", salt: str | None = None, **kw: Any) -> Any:
+    fields = {"prompt_embeds": None, "mm_features": [], **kw}
+    return SimpleNamespace(request_id=rid, all_token_ids=list(range(1, n + 1)),
+                           num_prompt_tokens=n, cache_salt=salt, num_computed_tokens=0,
+                           **fields)
+
+
+def side(*clients: FakeClient) -> SchedulerSide:
+    cfg = ConnectorConfig(server_urls=tuple(f"tcp://127.0.0.1:{i}" for i in range(len(clients))))
+    return SchedulerSide(cfg, dict(zip(cfg.server_urls, clients, strict=True)),
+                         model_name="m", kv_world_size=1, block_size=BS, start_health=False)
+
+
+def out(new: dict[str, int], cached: dict[str, list[int]] | None = None) -> Any:
+    cached = cached or {}
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new if r not in cached],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached),
+                                              new_block_ids=[(b,) for b in cached.values()],
+                                              resumed_req_ids=set()),
+        num_scheduled_tokens=new, preempted_req_ids=None)
+
+
+def test_lookup_reports_not_yet_until_every_server_answered() -> None:
+    a, b = FakeClient(hits=3), FakeClient(hits=2)
+    a.ack = Future(ready=False)
+    b.answers = [Future(None), Future(None), Future(2)]  # still running, then 2 chunks
+    s = side(a, b)
+    r = request(4 * CHUNK + 10)
+    assert s.get_num_new_matched_tokens(r, 0) == (None, True)
+    assert a.ops("LOOKUP") == [("LOOKUP", 0, 4 * CHUNK, "", 1)]  # chunk-aligned prefix
+    a.ack.ready = True
+    assert s.get_num_new_matched_tokens(r, 0) == (None, True)   # b: still running
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, True)
+    # The hit is the minimum; a's lock on its third chunk is freed, once.
+    assert a.ops("FREE") == [("FREE", 2 * CHUNK, 3 * CHUNK)] and b.ops("FREE") == []
+    assert len(a.ops("LOOKUP")) == 1
+    # Asked again before allocation (no budget this step): same answer, nothing sent.
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, True)
+    assert [c[0] for c in a.calls] == ["LOOKUP", "QUERY", "FREE"]
+
+
+def test_vllm_hit_inside_a_chunk_is_skipped_by_the_retrieve() -> None:
+    c = FakeClient(hits=3)
+    s = side(c)
+    r = request(3 * CHUNK + 5)
+    vllm_hit = CHUNK + 2 * BS
+    assert s.get_num_new_matched_tokens(r, vllm_hit) == (3 * CHUNK - vllm_hit, True)
+    s.update_state_after_alloc(r, list(range(1, 3 * CHUNK // BS + 2)), 3 * CHUNK - vllm_hit)
+    # Locks of the chunk vLLM fully holds are freed; the partly held one is retrieved.
+    assert c.ops("FREE") == [("FREE", 0, CHUNK)]
+    step = s.build_step(out({}))
+    (op,) = step.retrieves()
+    assert (op.start, op.end, op.skip_first_n_tokens) == (CHUNK, 3 * CHUNK, 2 * BS)
+    assert op.block_ids == tuple(range(1 + CHUNK // BS, 1 + 3 * CHUNK // BS))
+    assert s.trackers["r"].state is State.READY
+
+
+def test_vllm_covers_the_hit_frees_every_lock_and_loads_nothing() -> None:
+    c = FakeClient(hits=2)
+    s = side(c)
+    r = request(3 * CHUNK)
+    assert s.get_num_new_matched_tokens(r, 2 * CHUNK) == (0, False)
+    s.update_state_after_alloc(r, list(range(1, 13)), 0)
+    assert c.ops("FREE") == [("FREE", 0, 2 * CHUNK)]
+    assert s.build_step(out({})).retrieves() == []
+
+
+def test_full_prompt_hit_leaves_the_last_token_to_compute() -> None:
+    s = side(FakeClient(hits=2))
+    assert s.get_num_new_matched_tokens(request(2 * CHUNK), 0) == (2 * CHUNK - 1, True)
+
+
+def test_dead_server_reports_no_hit_and_sends_nothing() -> None:
+    c = FakeClient(hits=2)
+    c.down = True
+    s = side(c)
+    assert s.healthy == {"tcp://127.0.0.1:0": False}
+    r = request(3 * CHUNK)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, list(range(1, 13)), 0)
+    assert s.build_step(out({"r": 3 * CHUNK})).ops == []  # no STORE either
+    assert s.request_finished(r) is True
+    assert c.ops("LOOKUP") == c.ops("END") == []
+
+
+def test_lookup_errors_count_as_no_hit() -> None:
+    a, b = FakeClient(hits=2), FakeClient(hits=2)
+    b.ack = Future(error=RequestTimeout("slow"))
+    s = side(a, b)
+    assert s.get_num_new_matched_tokens(request(3 * CHUNK), 0) == (0, False)
+    assert a.ops("FREE") == [("FREE", 0, 2 * CHUNK)]  # a's locks are not retrieved
+
+
+@pytest.mark.parametrize("salt", ["a@b", "x" * 129, "p/q", "nul\x00"])
+def test_salt_lmcache_rejects_bypasses(salt: str) -> None:
+    c = FakeClient(hits=2)
+    s = side(c)
+    r = request(3 * CHUNK, salt=salt)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, list(range(1, 13)), 0)
+    assert s.build_step(out({"r": 3 * CHUNK})).ops == [] and c.calls == []
+
+
+def test_prompt_embeds_and_multimodal_bypass() -> None:
+    s = side(FakeClient(hits=2))
+    assert s.get_num_new_matched_tokens(request(200, "e", prompt_embeds=object()), 0) == (0, False)
+    r = request(200, "m")
+    r.mm_features = [object()]
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+
+
+def test_stores_whole_prompt_chunks_as_they_are_computed() -> None:
+    c = FakeClient(hits=0)
+    s = side(c)
+    r = request(3 * CHUNK + 20)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    blocks = list(range(1, 14))
+    s.update_state_after_alloc(r, blocks[:8], 0)
+    # Chunked prefill: 100 tokens, then the rest, then decode steps.
+    (op,) = s.build_step(out({"r": 100})).stores()
+    assert (op.start, op.end, op.block_ids) == (0, CHUNK, tuple(blocks[:4]))
+    (op,) = s.build_step(out({"r": 3 * CHUNK + 20 - 100}, {"r": blocks[8:]})).stores()
+    assert (op.start, op.end) == (CHUNK, 3 * CHUNK)
+    assert op.block_ids == tuple(blocks[4:12])
+    assert s.build_step(out({"r": 1}, {"r": []})).ops == []  # decode: not stored
+    assert s.request_finished(r) is True and c.ops("END") == [("END", "r")]
+
+
+def test_stores_start_after_the_loaded_prefix() -> None:
+    s = side(FakeClient(hits=1))
+    r = request(3 * CHUNK)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(1, 13)), CHUNK)
+    step = s.build_step(out({}))
+    assert [o.direction for o in step.ops] == ["RETRIEVE"]
+    (op,) = s.build_step(out({"r": 2 * CHUNK})).stores()
+    assert (op.start, op.end) == (CHUNK, 3 * CHUNK)
+
+
+def test_failed_load_is_recomputed_and_stored_again() -> None:
+    s = side(FakeClient(hits=2))
+    r = request(3 * CHUNK)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(1, 13)), 2 * CHUNK)
+    s.build_step(out({}))
+    # vLLM got the load error, freed the blocks, and schedules the request from 0.
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, list(range(20, 32)), 0)
+    (op,) = s.build_step(out({"r": 3 * CHUNK})).stores()
+    assert (op.start, op.end, op.block_ids[0]) == (0, 3 * CHUNK, 20)
+
+
+def test_preempted_request_restarts_with_its_new_blocks() -> None:
+    s = side(FakeClient(hits=0))
+    r = request(2 * CHUNK + 8)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(1, 6)), 0)
+    (op,) = s.build_step(out({"r": CHUNK + 8})).stores()
+    assert op.end == CHUNK
+    # Preempted (blocks freed), scheduled again from 0 with a vLLM hit of one block:
+    # the old block list is dropped, stores restart from the new blocks.
+    assert s.get_num_new_matched_tokens(r, BS) == (0, False)
+    s.update_state_after_alloc(r, [40, 41], 0)
+    resumed = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["r"], new_block_ids=[(list(range(40, 49)),)],
+                                              resumed_req_ids={"r"}),
+        num_scheduled_tokens={"r": 2 * CHUNK + 8 - BS}, preempted_req_ids=None)
+    (op,) = s.build_step(resumed).stores()
+    assert (op.start, op.end, op.block_ids) == (0, 2 * CHUNK, tuple(range(40, 48)))
+
+
+def test_aborted_during_lookup_frees_its_locks() -> None:
+    c = FakeClient(hits=3)
+    s = side(c)
+    r = request(3 * CHUNK)
+    assert s.get_num_new_matched_tokens(r, 0) == (3 * CHUNK - 1, True)
+    s.request_finished(r)
+    assert c.ops("FREE") == [("FREE", 0, 3 * CHUNK)] and c.ops("END") == [("END", "r")]
+
+
+# ------------------------------------------------------------------ worker side
+class FakeReg:
+    def __init__(self) -> None:
+        self.mode, self.instance_id = "engine", 1
+        self.sent: list[tuple[str, Any, list[int]]] = []
+        self.next: Future = Future(True)
+
+    def retrieve_async(self, key: Any, ids: list[int], *, skip_first_n_tokens: int,
+                       timeout: float) -> Future:
+        self.sent.append(("RETRIEVE", key, ids))
+        return self.next
+
+    def store_async(self, key: Any, ids: list[int], *, timeout: float) -> Future:
+        self.sent.append(("STORE", key, ids))
+        return self.next
+
+    def unregister(self, timeout: float) -> None:
+        pass
+
+
+def worker(reg: FakeReg, client: FakeClient) -> WorkerSide:
+    client.close = lambda: None  # type: ignore[attr-defined]
+    w = WorkerSide(ConnectorConfig(), client, placement(["tcp://h:1", "tcp://h:2"], 4, 3), "m")
+    w.set_registration(lambda: reg, BS)
+    return w
+
+
+def op(direction: str, rid: str = "r", blocks: tuple[int, ...] = (1, 2, 3, 4)) -> TransferOp:
+    return TransferOp(direction, rid, tuple(range(CHUNK)), 0, CHUNK, blocks)
+
+
+def test_worker_keys_carry_the_rank_placement() -> None:
+    reg = FakeReg()
+    w = worker(reg, FakeClient())
+    w.start_stores(StepOps([op("STORE")]))
+    key = reg.sent[0][1]
+    assert (w.place.url, key.world_size, key.worker_id) == ("tcp://h:2", 2, 1)
+
+
+@pytest.mark.parametrize("outcome", [Future(False), Future(error=ServerUnavailable("gone"))])
+def test_failed_retrieve_reports_its_blocks(outcome: Future) -> None:
+    reg = FakeReg()
+    reg.next = Future(ready=False)
+    w = worker(reg, FakeClient())
+    w.start_loads(StepOps([op("RETRIEVE", blocks=(5, 6, 7, 8))]))
+    assert w.get_finished(set()) == (set(), set())  # in flight: only polled
+    reg.next.ready, reg.next.value, reg.next.error = True, outcome.value, outcome.error
+    assert w.get_finished(set()) == (set(), {"r"})
+    assert w.load_errors() == {5, 6, 7, 8} and w.load_errors() == set()
+
+
+def test_unhealthy_server_fails_loads_at_once_and_skips_stores() -> None:
+    reg, client = FakeReg(), FakeClient()
+    w = worker(reg, client)
+    client.healthy = False
+    w.start_loads(StepOps([op("RETRIEVE", "a")]))
+    w.start_stores(StepOps([op("STORE", "b")]))
+    assert reg.sent == []
+    assert w.get_finished({"b"}) == ({"b"}, {"a"}) and w.load_errors() == {1, 2, 3, 4}
+    assert w.stats["skipped_stores"] == 1
+
+
+def test_finished_request_is_reported_after_its_stores() -> None:
+    reg = FakeReg()
+    reg.next = Future(True, ready=False)
+    w = worker(reg, FakeClient())
+    w.start_stores(StepOps([op("STORE")]))
+    assert w.get_finished({"r"}) == (set(), set())
+    reg.next.ready = True
+    assert w.get_finished(set()) == ({"r"}, set()) and w.stats["stored"] == 1
+
+
+def test_registration_is_retried_while_the_server_is_down() -> None:
+    calls = []
+
+    def register() -> FakeReg:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ServerUnavailable("not yet")
+        return FakeReg()
+
+    client = FakeClient()
+    client.close = lambda: None  # type: ignore[attr-defined]
+    w = WorkerSide(ConnectorConfig(health_interval=0.01), client,
+                   placement(["tcp://h:1"], 1, 0), "m")
+    w.set_registration(register, BS)
+    assert w.reg is None
+    w.start_loads(StepOps([op("RETRIEVE")]))  # fails at once, reported as an error
+    assert w.get_finished(set())[1] == {"r"} and w.load_errors()
+    import time
+
+    time.sleep(0.02)
+    w.start_stores(StepOps([op("STORE")]))
+    assert w.reg is not None and len(calls) == 2
+
+
+# ---------------------------------------------------------------- configuration
+def test_config_keys_are_lmcaches() -> None:
+    c = ConnectorConfig.from_extra({"lmcache.mp.host": "127.0.0.1", "lmcache.mp.port": "6000",
+                                    "lmcache.mp.mq_timeout": 7, "lmcache.mp.isolated_ipc": True,
+                                    "lmcache.mp.mp_transfer_mode": "engine_driven",
+                                    "other.key": 1})
+    assert c.server_urls == ("tcp://127.0.0.1:6000",) and c.mq_timeout == 7.0
+    assert c.mode == "engine"
+    assert ConnectorConfig.from_extra({}).server_urls == ("tcp://localhost:5555",)
+    c = ConnectorConfig.from_extra({"lmcache.mp.server_urls": "tcp://a:1, tcp://b:2",
+                                    "lmcache.mp.host": "ignored"})
+    assert c.server_urls == ("tcp://a:1", "tcp://b:2")
+    with pytest.raises(InvalidArgument, match="unknown"):
+        ConnectorConfig.from_extra({"lmcache.mp.prot": 1})
+    with pytest.raises(InvalidArgument, match="mp_transfer_mode"):
+        ConnectorConfig.from_extra({"lmcache.mp.mp_transfer_mode": "fast"})
+    with pytest.raises(InvalidArgument, match="mq_timeout"):
+        ConnectorConfig.from_extra({"lmcache.mp.mq_timeout": 0})
+
+
+def test_rank_placement_is_lmcaches() -> None:
+    urls = ["tcp://a:1", "tcp://b:2"]
+    got = [placement(urls, 4, r) for r in range(4)]
+    assert [(p.url, p.kv_world_size, p.kv_worker_id) for p in got] == [
+        ("tcp://a:1", 2, 0), ("tcp://a:1", 2, 1), ("tcp://b:2", 2, 0), ("tcp://b:2", 2, 1)]
+    with pytest.raises(InvalidArgument):
+        placement(urls, 3, 0)

@@ -1,0 +1,244 @@
+"""The vLLM connector in vLLM's real scheduler machinery, against real LMCache servers.
+
+Each engine is a fresh process (``harness.py`` under ``.venv-vllm``, or under the
+server release's oracle venv for LMCache's own connector), so what one engine stores
+another loads through the server only. Loaded KV is checked byte for byte against the
+pattern the storing engine's fake forward pass wrote (``harness.pattern``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, SERVER_SCRIPT, SERVER_VERSION, LiveServer, oracle_python, start_server
+from tests.live_helpers import both_modes_args
+
+pytestmark = pytest.mark.live
+
+HARNESS = Path(__file__).with_name("harness.py")
+WITH_VLLM = Path(__file__).with_name("with_vllm.py")
+VENV = Path(os.environ.get("LMCACHE_MP_VLLM_VENV", REPO / ".venv-vllm"))
+CHUNK = 256  # the servers' default chunk size
+# LMCache 0.5.3 / 0.5.4's connector cannot read vLLM 0.32's KV-cache layout (its layout
+# query fails: "vLLM is not available but tried to query kv cache layout") and stores
+# a 2-head x 16-dim NHD cache as [2, layers, 256, 256] objects: no cross test can pass.
+LMCACHE_CONNECTOR_WORKS = SERVER_VERSION not in ("0.5.3", "0.5.4")
+# Placement over several servers and a dead server do not depend on the release: run
+# them against the first and the last one only (CI time).
+EDGE_RELEASE = SERVER_VERSION in ("0.5.3", "0.5.6")
+edge_only = pytest.mark.skipif(not EDGE_RELEASE, reason=(
+    "release-independent (rank placement, a dead server, a failed load): run against "
+    "0.5.3 and 0.5.6"))
+
+
+def vllm_python() -> Path:
+    if os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1":
+        pytest.skip("LMCACHE_MP_SKIP_LIVE=1: live tests against a real LMCache server skipped")
+    python = VENV / "bin" / "python"
+    if python.exists():
+        return python
+    why = f"{VENV} is missing: build it with scripts/vllm-venv.sh (make vllm-venv)"
+    if os.environ.get("CI") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def site_packages() -> str:
+    return str(next((VENV / "lib").glob("python3*/site-packages")))
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+def run_engine(tmp_path: Path, connector: str, urls: list[str], phases: list[dict[str, Any]],
+               *, tp: int = 1, extra: dict[str, Any] | None = None,
+               timeout: float = 240) -> dict[str, Any]:
+    spec = {"connector": connector, "tp": tp, "phases": phases,
+            "extra": {"lmcache.mp.server_urls": urls, **(extra or {})}}
+    path = tmp_path / f"spec-{random.getrandbits(32)}.json"
+    path.write_text(json.dumps(spec))
+    if connector == "ours":
+        cmd = [str(vllm_python()), str(HARNESS), str(path)]
+    else:
+        cmd = [str(oracle_python()), str(WITH_VLLM), site_packages(), str(HARNESS), str(path)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LMCACHE_DISABLE_BANNER": "1",
+           "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=REPO)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(f"harness failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
+    result["log"] = proc.stderr
+    return result
+
+
+def req(rid: str, prompt: list[int], salt: str | None = None) -> dict[str, Any]:
+    return {"id": rid, "prompt": prompt, **({"salt": salt} if salt else {})}
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    s = start_server(*both_modes_args(f"vllm{os.getpid()}"))
+    yield s
+    s.stop()
+
+
+def loaded(result: dict[str, Any], rid: str) -> int:
+    r = result["requests"][rid]
+    assert r["verified"], f"{rid}: KV bytes differ from what the storing engine computed"
+    return int(r["first_computed"])
+
+
+def test_store_then_fresh_engine_loads(server: LiveServer, tmp_path: Path) -> None:
+    p = tokens(1, 3 * CHUNK + 40)
+    first = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("a", p, "t1")]}])
+    assert loaded(first, "a") == 0 and first["stats"]["stored"] == 1
+    # A fresh engine (empty vLLM prefix cache) loads the 3 whole chunks; another salt
+    # and a salt LMCache would reject (bypass, no error) load nothing.
+    second = run_engine(tmp_path, "ours", [server.url], [
+        {"requests": [req("b", p, "t1"), req("c", p, "t2"), req("d", p, "bad@salt")]}])
+    assert loaded(second, "b") == 3 * CHUNK
+    assert loaded(second, "c") == 0 and loaded(second, "d") == 0
+    assert second["stats"]["load_errors"] == 0
+    # vLLM's own prefix hit inside a chunk: the retrieve skips it (skip_first_n_tokens).
+    third = run_engine(tmp_path, "ours", [server.url], [
+        {"requests": [req("e", p[:CHUNK + 32])]},
+        {"requests": [req("f", p, "t1")]}])
+    assert loaded(third, "f") == 3 * CHUNK
+
+
+def test_cross_with_lmcache_connector(server: LiveServer, tmp_path: Path) -> None:
+    p1, p2 = tokens(11, 2 * CHUNK + 7), tokens(12, 3 * CHUNK)
+    if not LMCACHE_CONNECTOR_WORKS:
+        # LMCache's connector stores mis-shaped objects; ours finds them, refuses the
+        # server's slot before writing a byte, and vLLM recomputes (bytes still right).
+        run_engine(tmp_path, "lmcache", [server.url], [{"requests": [req("l1", p1, "s")]}])
+        b = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("o1", p1, "s")]}])
+        assert loaded(b, "o1") == 0 and b["stats"]["load_errors"] == 1
+        assert "expected shape [2, 2, 256, 32]" in b["log"]
+        pytest.skip(f"LMCache {SERVER_VERSION}'s own connector misreads vLLM 0.32's KV layout "
+                    f"(stores [2, L, 256, 256] objects for a 2 x 16 cache): ours refused them "
+                    f"safely; no byte-exact cross check possible with this release")
+    # LMCache's connector stores p1; ours loads it and stores p2; LMCache's loads p2.
+    a = run_engine(tmp_path, "lmcache", [server.url], [{"requests": [req("l1", p1, "s")]}])
+    assert loaded(a, "l1") == 0
+    b = run_engine(tmp_path, "ours", [server.url], [
+        {"requests": [req("o1", p1, "s"), req("o2", p2, "s")]}])
+    assert loaded(b, "o1") == 2 * CHUNK, "ours did not load what LMCache's connector stored"
+    assert loaded(b, "o2") == 0
+    c = run_engine(tmp_path, "lmcache", [server.url], [{"requests": [req("l2", p2, "s")]}])
+    # A full-prompt hit: vLLM recomputes the last token, so one token less is loaded.
+    assert loaded(c, "l2") == 3 * CHUNK - 1, "LMCache's connector did not load what ours stored"
+
+
+def test_tensor_parallel_two_ranks(server: LiveServer, tmp_path: Path) -> None:
+    p = tokens(21, 2 * CHUNK + 5)
+    a = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("t", p)]}], tp=2)
+    assert a["stats"]["stored"] == 2  # one STORE per rank, each its own KV shard
+    b = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("u", p)]}], tp=2)
+    assert loaded(b, "u") == 2 * CHUNK and b["stats"]["retrieved"] == 2
+    # A TP=1 engine has another world size: another cache entry.
+    c = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("v", p)]}])
+    assert loaded(c, "v") == 0
+
+
+@edge_only
+def test_two_servers(tmp_path: Path) -> None:
+    s1 = start_server(*both_modes_args(f"vllma{os.getpid()}"))
+    s2 = start_server(*both_modes_args(f"vllmb{os.getpid()}"))
+    try:
+        p = tokens(31, 2 * CHUNK)
+        urls = [s1.url, s2.url]
+        run_engine(tmp_path, "ours", urls, [{"requests": [req("m", p)]}], tp=2)
+        b = run_engine(tmp_path, "ours", urls, [{"requests": [req("n", p)]}], tp=2)
+        assert loaded(b, "n") == 2 * CHUNK - 1
+        # Only one server has it (the other restarted empty): the hit is the minimum, 0.
+        s2.stop()
+        s2.start_again()
+        c = run_engine(tmp_path, "ours", urls, [{"requests": [req("o", p)]}], tp=2)
+        assert loaded(c, "o") == 0
+    finally:
+        s1.stop()
+        s2.stop()
+
+
+def test_server_restart_mid_stream(tmp_path: Path) -> None:
+    s = start_server(*both_modes_args(f"vllmr{os.getpid()}"))
+    try:
+        kill = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
+        start = [str(SERVER_SCRIPT), "start", "--version", SERVER_VERSION, "--port",
+                 str(s.port), "--", *s.args]
+        p = [tokens(40 + i, 2 * CHUNK + 3) for i in range(6)]
+        # Engine 1 stores p0..p2. Engine 2 loads them while the server is stopped at
+        # step 1 and started again later: the loads fail and are recomputed, nothing
+        # hangs; after recovery the cache works again (p3 stored, then loaded).
+        run_engine(tmp_path, "ours", [s.url], [{"requests": [req(f"a{i}", p[i])
+                                                             for i in range(3)]}])
+        extra = {"lmcache.mp.heartbeat_interval": 1, "lmcache.mp.health_interval": 0.5,
+                 "lmcache.mp.transfer_timeout": 5}
+        r = run_engine(tmp_path, "ours", [s.url], [
+            {"requests": [req(f"b{i}", p[i]) for i in range(3)], "on_step": {"1": kill}},
+            {"requests": [req("c0", p[0])], "sleep_after": 0},
+            {"requests": [req("w", p[5])], "on_step": {"1": start}, "sleep_after": 4},
+            {"requests": [req("c3", p[3])], "sleep_after": 1},
+            {"requests": [req("c4", p[3])]},
+        ], extra=extra, timeout=300)
+        for rid in ("b0", "b1", "b2", "c0", "w", "c3", "c4"):
+            assert r["requests"][rid]["verified"], rid
+        # b0-b2 lost the server between lookup and load (or before the lookup): they
+        # were computed locally, within a few transfer deadlines; nothing hung.
+        assert all(loaded(r, f"b{i}") in (0, 2 * CHUNK) for i in range(3))
+        assert r["phase_seconds"][0] < 60
+        # After recovery the new (empty) server got c3's chunks: a fresh engine loads them.
+        assert r["stats"]["stored"] >= 1
+        again = run_engine(tmp_path, "ours", [s.url], [{"requests": [req("d3", p[3])]}])
+        assert loaded(again, "d3") == 2 * CHUNK
+    finally:
+        s.stop()
+
+
+@edge_only
+def test_server_gone_between_lookup_and_load(tmp_path: Path) -> None:
+    s = start_server(*both_modes_args(f"vllmg{os.getpid()}"))
+    try:
+        p = tokens(60, 2 * CHUNK + 9)
+        run_engine(tmp_path, "ours", [s.url], [{"requests": [req("a", p)]}])
+        # The lookup hits; the server is stopped before the workers' RETRIEVE: the load
+        # fails, its blocks go to get_block_ids_with_load_errors, vLLM recomputes them
+        # (recompute policy) and the request completes with the right bytes.
+        stop = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
+        r = run_engine(tmp_path, "ours", [s.url], [
+            {"requests": [req("b", p)], "on_retrieve": stop}],
+            extra={"lmcache.mp.transfer_timeout": 5, "lmcache.mp.health_interval": 0.5})
+        assert r["stats"]["load_errors"] == 1 and r["stats"]["retrieved"] == 0
+        assert loaded(r, "b") == 0  # recomputed from the start, bytes verified
+        assert "recomputed without the cache" in r["log"]
+    finally:
+        s.stop()
+
+
+@edge_only
+def test_server_down_from_the_start(tmp_path: Path) -> None:
+    from tests.conftest import free_port
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+    r = run_engine(tmp_path, "ours", [url], [{"requests": [req("z", tokens(50, 600))]}],
+                   extra={"lmcache.mp.mq_timeout": 2, "lmcache.mp.health_interval": 0.5})
+    assert loaded(r, "z") == 0 and r["stats"]["stored"] == 0
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
