@@ -187,6 +187,7 @@ class Connection:
         tp_size: int,
         timeout: float | None,
         convert: Callable[[int], int] | None = None,
+        mla: bool = False,
     ) -> ReplyFuture[int]:
         """LOOKUP (all ranks) then WAIT_PREFETCH_STATUS within one deadline: the number
         of leading chunks cached for every rank (then ``convert``-ed). ``result()`` sends
@@ -196,7 +197,7 @@ class Connection:
             raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
         budget = self.seconds(timeout)
         deadline = time.monotonic() + budget
-        payloads = self.profile_for(budget).all_ranks_payloads(key, tp_size)
+        payloads = self.profile_for(budget).all_ranks_payloads(key, tp_size, mla)
         op, pending = self.submit("LOOKUP", payloads, max(deadline - time.monotonic(), 0.001))
 
         def finish(frames: list[bytes]) -> int:

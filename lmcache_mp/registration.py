@@ -126,6 +126,12 @@ class Registration:
         return self.layout.chunk_size
 
     @property
+    def _mla(self) -> bool:
+        # A pure-MLA cache: its KV is replicated over TP ranks, so lookups declare every
+        # TP rank a reader (0.5.5+ keys), as LMCache's adapter does.
+        return bool(self.cache.geometry.mla)
+
+    @property
     def groups(self) -> tuple[EngineGroupInfo, ...]:
         return self.layout.groups
 
@@ -351,7 +357,8 @@ class Registration:
             raise InvalidArgument(f"LOOKUP: expected a CacheKey for model {self.model_name!r} / "
                                   f"world_size {self.world_size}, got {key!r}")
         chunk = self.chunk_size
-        return self._conn.lookup_async(key, tp_size, timeout, lambda hits: hits * chunk)
+        return self._conn.lookup_async(key, tp_size, timeout, lambda hits: hits * chunk,
+                                       mla=self._mla)
 
     lookup = blocking(lookup_async)
 

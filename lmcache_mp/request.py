@@ -97,7 +97,8 @@ class Request:
         when it closes)."""
         key = self._range(0, None, self.num_tokens, "LOOKUP")
         reg = self._reg
-        return reg._conn.lookup_async(key, self._tp_size, timeout, self._took_locks)
+        return reg._conn.lookup_async(key, self._tp_size, timeout, self._took_locks,
+                                      mla=reg._mla)
 
     lookup = blocking(lookup_async)
 
@@ -166,7 +167,8 @@ class Request:
                 for start, end in _held_runs(locks):
                     key = self._key.with_range(start * self._chunk, end * self._chunk)
                     conn.call("FREE_LOOKUP_LOCKS",
-                              conn.profile.all_ranks_payloads(key, self._tp_size), timeout)
+                              conn.profile.all_ranks_payloads(key, self._tp_size, reg._mla),
+                              timeout)
             conn.call("END_SESSION", (self.request_id,), timeout)
         except LMCacheMPError as err:
             log.warning("lmcache_mp: closing request %r: %s", self.request_id, err)

@@ -369,3 +369,28 @@ def test_cuda_registration_is_re_sent_from_the_heartbeat_without_cuda_calls(
             reg.unregister()
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("mla, readers", [(True, 2), (False, 1)])
+def test_an_mla_registration_declares_every_tp_rank_a_reader(mla: bool, readers: int) -> None:
+    """MLA, TP=2 over PP=2 (KV world size 2): LMCache 0.5.5+'s adapter declares both TP
+    ranks readers of each replicated object; a non-MLA cache one. Lookups and the lock
+    frees a request sends on exit carry the same count (test_key_building checks the
+    rule against each release's adapter; this, that a registration applies it)."""
+    server = FakeServer(profile="0.5.6")
+    try:
+        with CpuKVCache.allocate(num_layers=2, num_blocks=40, block_size=16, num_heads=1,
+                                 head_dim=8, dtype="float16", mla=mla) as cache, \
+                Client(server.url, protocol="0.5.6", timeout=2.0,
+                       heartbeat_interval=None) as c:
+            reg = c.register(cache, model_name="m", world_size=2, worker_id=1,
+                             mode="lmcache")
+            with reg.request(list(range(3 * CHUNK)), tp_size=2) as req:
+                assert req.lookup() == 0
+            for op in ("LOOKUP", "FREE_LOOKUP_LOCKS"):
+                for seen in server.requests(op):
+                    assert seen.payloads[0]["num_kv_readers"] == readers, (op, seen)
+            assert server.requests("LOOKUP")
+            reg.unregister()
+    finally:
+        server.close()

@@ -43,10 +43,10 @@ def decoded(frame_hex: str) -> dict[str, Any]:
 
 
 def readers_diverge(release: str, case: dict[str, Any]) -> bool:
-    """MLA with TP <= PP: 0.5.5's adapter declares TP readers per object, while this
-    client's rule (0.5.3's server rule, ``kv_readers``) only adds readers when TP exceeds
-    the KV world size. 0.5.3/0.5.4 servers apply that same rule themselves."""
-    return RELEASES[release] != "0.5.3" and case["mla"] and case["tp"] <= case["pp"]
+    """Nowhere any more: MLA with TP <= PP, where 0.5.5+'s adapter declares TP readers per
+    object, is matched by ``all_ranks_payloads(..., mla=True)`` (a registration of an MLA
+    cache passes it). Kept so a future divergence is reported as such."""
+    return False
 
 
 def check_all_ranks_frames(release: str, case: dict[str, Any], op: str, ours: list[bytes],
@@ -86,7 +86,8 @@ def test_lookup_key_matches_the_release_adapter(item: tuple[str, dict[str, Any]]
     end = len(tokens) - len(tokens) % case["chunk_size"]
     # The public key's worker id is ignored: a LOOKUP is for every rank.
     key = public_key(case, worker_id=case["kv_worker_id"], start=0, end=end)
-    frames = encode_request(profile.op("LOOKUP"), profile.all_ranks_payloads(key, case["tp_size"]))
+    frames = encode_request(profile.op("LOOKUP"),
+                            profile.all_ranks_payloads(key, case["tp_size"], case["mla"]))
     check_all_ranks_frames(release, case, "LOOKUP", frames[1:], case["lookup"]["frames"])
 
 
@@ -97,7 +98,7 @@ def test_free_lookup_locks_key_matches_the_release_adapter(
     profile = profile_for(release)
     key = public_key(case, worker_id=None, start=case["start"], end=case["end"])
     frames = encode_request(profile.op("FREE_LOOKUP_LOCKS"),
-                            profile.all_ranks_payloads(key, case["tp_size"]))
+                            profile.all_ranks_payloads(key, case["tp_size"], case["mla"]))
     check_all_ranks_frames(release, case, "FREE_LOOKUP_LOCKS", frames[1:],
                            case["free"]["frames"])
 

@@ -110,19 +110,23 @@ KeyBuilder = Callable[[Any, "int | None", int], msgspec.Struct]
 MAX_READ_LOCKS = 128
 
 
-def kv_readers(tp_size: int, world_size: int) -> int:
+def kv_readers(tp_size: int, world_size: int, mla: bool = False) -> int:
     """Read locks per looked-up chunk: how many workers will retrieve it.
 
     0.5.3's server derives it from LOOKUP's ``tp_size`` payload (extra readers when
     MLA replicates KV over more TP ranks than KV shards); 0.5.5+ keys carry it as
     ``num_kv_readers``. Same rule both ways, so ``tp_size`` means the same everywhere.
+    With ``mla`` (a pure-MLA cache: KV replicated over the TP ranks on this server) the
+    0.5.5+ key declares all ``tp_size`` ranks as readers whatever the world size, as
+    LMCache's own adapter does (``ParallelStrategy.num_kv_readers``); a 0.5.3 server
+    applies its own rule to the ``tp_size`` payload.
     """
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         from ..errors import InvalidArgument
 
         raise InvalidArgument(f"tp_size must be a positive int, got {tp_size!r}")
     tp = tp_size if tp_size > 1 else world_size
-    readers = 1 + (tp - 1 if tp > world_size else 0)
+    readers = tp_size if mla else 1 + (tp - 1 if tp > world_size else 0)
     if readers > MAX_READ_LOCKS:
         from ..errors import InvalidArgument
 
@@ -164,10 +168,13 @@ class Profile:
         return name in self.operations
 
     # ------------------------------------------------------------ payloads
-    def all_ranks_payloads(self, key: Any, tp_size: int) -> tuple[Any, int]:
+    def all_ranks_payloads(self, key: Any, tp_size: int,
+                           mla: bool = False) -> tuple[Any, int]:
         """LOOKUP / FREE_LOOKUP_LOCKS: the key for every rank (worker_id nil), the reader
-        count in the key (0.5.5+) and as the ``tp_size`` payload (0.5.3)."""
-        return self.build_key(key, None, kv_readers(tp_size, key.world_size)), tp_size
+        count in the key (0.5.5+; see :func:`kv_readers` for ``mla``) and as the
+        ``tp_size`` payload (0.5.3)."""
+        return (self.build_key(key, None, kv_readers(tp_size, key.world_size, mla)),
+                tp_size)
 
     def transfer_key(self, key: Any, worker_id: int) -> msgspec.Struct:
         """The key of a STORE / RETRIEVE / PREPARE_* / COMMIT_* for one KV rank."""
