@@ -15,9 +15,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from lmcache_mp import CpuKVCache
 from lmcache_mp.protocol import PROFILES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,3 +131,22 @@ def private_server() -> Iterator[LiveServer]:
 @pytest.fixture(scope="session")
 def expected_family() -> str:
     return EXPECTED_FAMILY[SERVER_VERSION]
+
+
+# ------------------------------------------------- offline client tests (fake server)
+@pytest.fixture
+def fake() -> Iterator[Any]:
+    """A scripted LMCache 0.5.3 server (tests/fake_server.py), closed after the test."""
+    from .fake_server import FakeServer  # it imports this module
+
+    server = FakeServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def kv() -> Iterator[CpuKVCache]:
+    """A small zero-filled CPU cache: 2 layers x 80 blocks of 16 tokens, 2 heads x 8."""
+    with CpuKVCache.allocate(num_layers=2, num_blocks=80, block_size=16, num_heads=2,
+                             head_dim=8, dtype="float16") as cache:
+        yield cache

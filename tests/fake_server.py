@@ -326,3 +326,10 @@ class FakeServer:
 
 
 _NO_REPLY = object()
+
+
+def slot_geometry(kv: Any, chunk_size: int = 256) -> dict[str, Any]:
+    """What the fake server's pool slots hold for ``kv`` (a CpuKVCache): one chunk object."""
+    g = kv.geometry
+    shape = [2, g.num_layers, chunk_size, g.hidden_dim]
+    return {"shape": shape, "dtype": g.dtype, "length": int(np.prod(shape)) * g.itemsize}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -23,29 +22,10 @@ from lmcache_mp import (
     RequestTimeout,
 )
 
-from .fake_server import FakeServer
+from .fake_server import FakeServer, slot_geometry
 
 CHUNK = 256
 
-
-@pytest.fixture
-def fake() -> Iterator[FakeServer]:
-    server = FakeServer()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def kv() -> Iterator[CpuKVCache]:
-    with CpuKVCache.allocate(num_layers=2, num_blocks=80, block_size=16, num_heads=2,
-                             head_dim=8, dtype="float16") as cache:
-        yield cache
-
-
-def slot_geometry(kv: CpuKVCache) -> dict[str, object]:
-    g = kv.geometry
-    shape = [2, g.num_layers, CHUNK, g.hidden_dim]
-    return {"shape": shape, "dtype": g.dtype, "length": int(np.prod(shape)) * g.itemsize}
 
 
 def tokens(n_chunks: int = 2, seed: int = 0) -> list[int]:

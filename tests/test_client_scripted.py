@@ -38,13 +38,6 @@ PER_CHUNK = CHUNK // BS
 FAMILIES = ["0.5.3", "0.5.5", "0.5.6", "0.5.7"]
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeServer]:
-    server = FakeServer()
-    yield server
-    server.close()
-
-
 def kv_cache(*, mla: bool = False, dtype: str = "float16", num_blocks: int = 80,
              num_layers: int = 2) -> CpuKVCache:
     cache = CpuKVCache.allocate(num_layers=num_layers, num_blocks=num_blocks, block_size=BS,

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -45,30 +44,11 @@ from lmcache_mp.ipc import shm
 from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR, sweep_dead_segments
 from lmcache_mp.transport import MAX_REPLY_BYTES
 
-from .fake_server import FakeServer
+from .fake_server import FakeServer, slot_geometry
 
 CHUNK = 256
 SLACK = 0.1  # a call resolves within its deadline plus this
 
-
-@pytest.fixture
-def fake() -> Iterator[FakeServer]:
-    server = FakeServer()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def kv() -> Iterator[CpuKVCache]:
-    with CpuKVCache.allocate(num_layers=2, num_blocks=80, block_size=16, num_heads=2,
-                             head_dim=8, dtype="float16") as cache:
-        yield cache
-
-
-def slot_geometry(kv: CpuKVCache) -> dict[str, Any]:
-    g = kv.geometry
-    shape = [2, g.num_layers, CHUNK, g.hidden_dim]
-    return {"shape": shape, "dtype": g.dtype, "length": int(np.prod(shape)) * g.itemsize}
 
 
 def tokens(n_chunks: int = 1, seed: int = 0) -> list[int]:
