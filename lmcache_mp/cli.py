@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("info", help="chunk size, protocol, round-trip time")
     p.add_argument("url")
-    p.add_argument("--protocol", default="auto", help="auto (probe) or 0.5.3 / 0.5.5 / 0.5.6")
+    p.add_argument("--protocol", default="auto",
+                   help="auto (probe) or a family: 0.5.3 (also 0.5.4) / 0.5.5 / 0.5.6 / 0.5.7")
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--allow-remote", action="store_true", help=_ALLOW_REMOTE)
