@@ -229,16 +229,7 @@ class Transport:
                 if epoch != self.epoch:
                     p.fail(self._connection_changed(p))
                     return p
-            self._pending[uid] = p
-            # Keep order behind requests still waiting for a connection; a request
-            # that cannot be sent now (not connected, IMMEDIATE) waits in the outbox
-            # until the server is reachable or its deadline passes.
-            if self._outbox or not self._send_locked(out):
-                self._outbox.append(p)
-            else:
-                p.out = None
-                p.sent = True
-                p.sent_epoch = self.epoch
+            self._enqueue_locked(p)
             if self._leader.locked():
                 # Another thread is blocked on the socket's edge-triggered fd; our send
                 # may have consumed its wake-up, so drain what is readable and wake it.
@@ -277,13 +268,7 @@ class Transport:
         uid = msgspec.msgpack.encode(next(self._uids))
         out = [uid, *frames]
         p = PendingRequest(uid, "a NOOP liveness probe", PROBE_TIMEOUT_S, out)
-        self._pending[uid] = p
-        if self._outbox or not self._send_locked(out):
-            self._outbox.append(p)
-        else:
-            p.out = None
-            p.sent = True
-            p.sent_epoch = self.epoch
+        self._enqueue_locked(p)
         dropped = self.liveness.add(p)
         if dropped is not None and not dropped.done:
             self._pending.pop(dropped.uid, None)
@@ -315,6 +300,23 @@ class Transport:
         with self._lock:
             if not self._closed and self.liveness.needs_probe(p):
                 self._send_probe_locked()
+
+    def _enqueue_locked(self, p: PendingRequest) -> None:
+        """Register ``p`` and send it now, or queue it behind requests still waiting for
+        a connection (order is kept): a request that cannot be sent now (not connected,
+        IMMEDIATE) waits in the outbox until the server is reachable or its deadline
+        passes."""
+        self._pending[p.uid] = p
+        assert p.out is not None
+        if self._outbox or not self._send_locked(p.out):
+            self._outbox.append(p)
+        else:
+            self._mark_sent_locked(p)
+
+    def _mark_sent_locked(self, p: PendingRequest) -> None:
+        p.out = None
+        p.sent = True
+        p.sent_epoch = self.epoch
 
     def _send_locked(self, frames: list[bytes]) -> bool:
         send = self._sock.send
@@ -353,9 +355,7 @@ class Transport:
             if not self._send_locked(p.out):
                 break
             outbox.popleft()
-            p.out = None
-            p.sent = True
-            p.sent_epoch = self.epoch
+            self._mark_sent_locked(p)
         return self._drain_inbound_locked()
 
     def _connection_changed(self, p: PendingRequest) -> ConnectionChanged:
