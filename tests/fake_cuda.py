@@ -338,3 +338,6 @@ class FakeTensor:
 
     def stride(self) -> tuple[int, ...]:
         return self.strides
+
+    def dim(self) -> int:
+        return len(self.shape)
