@@ -108,6 +108,9 @@ def test_wrap_layers_makes_a_cuda_cache_in_the_physical_layout() -> None:
     assert [e.offset for e in cache.exports] == [4096, 4096 + g.layer_nbytes]
     dense_nhd = [FakeTensor(t.ptr, (2, NB, BS, NH, HD)) for t in vllm_layers(drv)]
     assert wrap_layers(dense_nhd, BS, driver=drv).kv_layout == "NHD"  # type: ignore[attr-defined]
+    # Blocks-first layers (FlashInfer) are refused, naming a backend that works.
+    with pytest.raises(InvalidArgument, match="blocks-first.*FLASH_ATTN"):
+        wrap_layers([FakeTensor(1, (NB, 2, BS, NH, HD))], BS, driver=drv)
     # Devices other than CPU / CUDA, and CPU tensors in LMCache-driven mode, are refused.
     with pytest.raises(InvalidArgument, match="CPU or CUDA KV caches only"):
         wrap_layers([FakeTensor(1, (2, NB, BS, NH, HD), kind="xpu")], BS, driver=drv)

@@ -42,6 +42,12 @@ def wrap_layers(tensors: Sequence[Any], block_size: int, mode: str = "auto",
         raise InvalidArgument(
             f"KV tensors on {first.device} are not supported by the lmcache_mp vLLM "
             f"connector: CPU or CUDA KV caches only (see docs/vllm.md)")
+    if first.dim() == 5 and first.shape[1] == 2 and first.shape[0] != 2:
+        raise InvalidArgument(
+            f"per-layer KV tensors {tuple(first.shape)} are blocks-first [num_blocks, 2, "
+            f"...] (FlashInfer and similar attention backends), which the lmcache_mp "
+            f"connector does not register yet: select a K/V-first attention backend "
+            f"in vLLM, such as FLASH_ATTN")
     if first.dim() != 5 or first.shape[0] != 2:
         raise InvalidArgument(
             f"expected per-layer KV tensors [2, num_blocks, ...] (5-D), got "
