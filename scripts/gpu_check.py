@@ -14,6 +14,16 @@ Then UNREGISTER. Sides:
                           plus plain device<->pinned-host copies of the same bytes as the
                           bandwidth reference (server started with --shm-name and
                           --no-l1-use-lazy by gpu_check.sh)
+* nhd_views:              lmcache_mp + CudaKVCache.from_torch over vLLM-style layers:
+                          per-layer NHD [2, blocks, block_size, heads, head_dim] views
+                          into ONE torch allocation (each at an offset inside it; the
+                          layout read from the strides), registered LMCache-driven
+                          (wrapper "auto"). A round trip cannot see a layout the
+                          server misreads (the same permutation both ways), so each
+                          stored key is also retrieved engine-driven (this client's
+                          NHD copy plan reads the server's chunk objects) and compared.
+                          The CPU dry run uses an NHD CpuKVCache (HND on 0.5.3 / 0.5.4,
+                          whose CPU servers refuse NHD)
 * lmcache:                LMCache's own worker client (LMCacheDrivenTransferContext over
                           its MessageQueueClient (0.5.3) or RequestClient (0.5.6)),
                           the way vLLM's adapter drives it, producer event kept alive
@@ -54,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SIDES = ("torch_ipc", "raw", "auto", "lmcache", "engine")
+SIDES = ("torch_ipc", "raw", "auto", "lmcache", "engine", "nhd_views")
 MIN_SIDE_SECONDS = 15.0  # a side is not started with less time than this left
 
 
@@ -74,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a side still running after this long is recorded as hung")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="wall-clock time (epoch seconds) by which this run must end")
-    p.add_argument("--sides", default="torch_ipc,raw,lmcache,engine",
+    p.add_argument("--sides", default="torch_ipc,raw,lmcache,engine,nhd_views",
                    help=f"which clients to run, from {', '.join(SIDES)}")
     p.add_argument("--out", help="write the results as JSON here (after every side)")
     p.add_argument("--cpu-dry-run", action="store_true",
@@ -222,6 +232,8 @@ class OursSide(Side):
 class EngineSide(OursSide):
     """Engine-driven: the same cache registered with mode="engine" (a Registration)."""
 
+    mode = "engine"
+
     def __init__(self, args: argparse.Namespace, layout: Layout, model: str) -> None:
         super().__init__(args, layout, "auto", model)
         self.name = "ours (engine-driven)"
@@ -229,7 +241,7 @@ class EngineSide(OursSide):
 
     def register(self) -> float:
         start = time.perf_counter()
-        self.reg = self.client.register(self.cache, model_name=self.model, mode="engine",
+        self.reg = self.client.register(self.cache, model_name=self.model, mode=self.mode,
                                         instance_id=self.instance_id,
                                         timeout=self.args.register_timeout)
         self.registered = True
@@ -269,6 +281,87 @@ class EngineSide(OursSide):
             synchronize(self.args)
             h2d.append(time.perf_counter() - start)
         return nbytes / min(d2h) / 1e9, nbytes / min(h2d) / 1e9
+
+
+class NhdViewsSide(EngineSide):
+    """What the vLLM connector registers: per-layer NHD views into one torch allocation
+    (every layer at an offset inside it), CudaKVCache.from_torch, LMCache-driven."""
+
+    mode = "lmcache"
+
+    def __init__(self, args: argparse.Namespace, layout: Layout, model: str) -> None:
+        from lmcache_mp import Client
+
+        self.name = "ours (NHD torch views)"
+        self.args, self.model, self.reg = args, model, None
+        self.client = Client(args.url, timeout=args.request_timeout)
+        self.chunk = self.client.chunk_size()
+        shape = (2, layout.num_blocks, args.block_size, args.heads, args.head_dim)
+        if args.cpu_dry_run:
+            from lmcache_mp import CpuKVCache
+
+            nhd = "HND" if args.release in ("0.5.3", "0.5.4") else "NHD"
+            self.cache: Any = CpuKVCache.allocate(
+                num_layers=args.layers, num_blocks=layout.num_blocks,
+                block_size=args.block_size, num_heads=args.heads, head_dim=args.head_dim,
+                dtype="bfloat16", layout=nhd)
+            self.layers = self.cache.torch_layers
+        else:
+            import torch
+
+            from lmcache_mp.ipc.cuda import CudaKVCache
+
+            n = 2 * layout.num_blocks * args.block_size * args.heads * args.head_dim
+            pad = 4096  # elements before layer 0: no layer is at the allocation's base
+            self.big: Any = torch.zeros(pad + args.layers * n, dtype=torch.bfloat16,
+                                        device="cuda")
+            self.layers = [self.big[pad + i * n: pad + (i + 1) * n].view(shape)
+                           for i in range(args.layers)]
+            self.cache = CudaKVCache.from_torch(self.layers, layout="NHD", wait_host=True)
+            if self.cache.kv_layout != "NHD" or not all(e.offset for e in self.cache.exports):
+                raise RuntimeError(f"from_torch read layout {self.cache.kv_layout}, offsets "
+                                   f"{[e.offset for e in self.cache.exports]}")
+        self.instance_id = random.getrandbits(62)
+        self.registered = False
+
+    engine_reg: Any = None
+    engine_error: str | None = None
+
+    def cross_check(self, tokens: list[int], size: int, src_i: Any, dst_i: Any,
+                    dst: list[int], rid: str) -> bool | None:
+        """Zero ``dst``, RETRIEVE the key again through an engine-driven registration of
+        the same memory, and compare with ``src``: None if the server has no pool."""
+        import torch
+
+        if self.engine_reg is None and self.engine_error is None:
+            try:
+                self.engine_reg = self.client.register(
+                    self.cache, model_name=self.model, mode="engine",
+                    timeout=self.args.register_timeout)
+            except Exception as exc:
+                self.engine_error = f"{type(exc).__name__}: {exc}"
+        if self.engine_reg is None:
+            return None
+        for t in self.layers:
+            t[:, dst_i] = 0
+        synchronize(self.args)
+        if self.wait_visible(tokens, size, rid) * self.chunk < size:
+            return False
+        if not self.engine_reg.retrieve(self._key(tokens, size, rid), dst):
+            return False
+        synchronize(self.args)
+        return all(torch.equal(t.view(torch.int16)[:, src_i], t.view(torch.int16)[:, dst_i])
+                   for t in self.layers)
+
+    def unregister(self) -> None:
+        if self.engine_reg is not None:
+            reg, self.engine_reg = self.engine_reg, None
+            reg.unregister()
+        super().unregister()
+
+    def close(self) -> None:
+        super().close()
+        self.big = None
 
 
 class LMCacheSide(Side):
@@ -495,6 +588,8 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
             side = LMCacheSide(args, layout, model)
         elif run.name == "engine":
             side = EngineSide(args, layout, model)
+        elif run.name == "nhd_views":
+            side = NhdViewsSide(args, layout, model)
         else:
             side = OursSide(args, layout, run.name, model)
         run.side = side
@@ -549,6 +644,13 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
                 res["checks"].append({"size": size, "rep": rep, "dst_equals_src": same,
                                       "others_untouched": untouched})
                 ok = ok and same and untouched
+                cross = getattr(side, "cross_check", None)
+                if cross is not None:
+                    res["step"] = f"engine-driven re-read {size} tokens (rep {rep})"
+                    seen = cross(tokens, size, src_i, dst_i, dst, rid)
+                    res["checks"][-1]["engine_rereads_src"] = (
+                        seen if seen is not None else f"skipped: {side.engine_error}")
+                    ok = ok and seen is not False
                 del snapshot
             moved = size * bytes_per_token
             res["store_s"][size] = stores
@@ -558,7 +660,7 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
             res.setdefault("store_gbps_median", {})[size] = moved / statistics.median(stores) / 1e9
             res.setdefault("retrieve_gbps_median", {})[size] = (
                 moved / statistics.median(retrieves) / 1e9)
-            if isinstance(side, EngineSide):
+            if isinstance(side, EngineSide) and side.mode == "engine":
                 d2h, h2d = side.memcpy_gbps(moved, args.reps)
                 res.setdefault("memcpy_d2h_gbps", {})[size] = d2h
                 res.setdefault("memcpy_h2d_gbps", {})[size] = h2d

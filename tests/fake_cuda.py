@@ -303,3 +303,41 @@ class FakeDriver:
             else:
                 keep.append((s, run))
         self.queued = keep
+
+
+class FakeTensor:
+    """Just what from_torch reads from a torch tensor."""
+
+    class Device:
+        def __init__(self, index: int, type: str = "cuda") -> None:
+            self.type, self.index = type, index
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, FakeTensor.Device) and (self.type, self.index) == (
+                other.type, other.index)
+
+        def __repr__(self) -> str:
+            return f"{self.type}:{self.index}"
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: str = "torch.bfloat16",
+                 device: int = 0, contiguous: bool = True, kind: str = "cuda",
+                 strides: tuple[int, ...] | None = None) -> None:
+        self.ptr, self.shape, self.dtype = ptr, shape, dtype
+        self.device = FakeTensor.Device(device, kind)
+        if strides is None:
+            acc, out = 1, []
+            for d in reversed(shape):
+                out.append(acc)
+                acc *= d
+            # Not contiguous: a gap after every innermost row.
+            strides = tuple(reversed(out)) if contiguous else tuple(2 * s for s in reversed(out))
+        self.strides = strides
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple[int, ...]:
+        return self.strides
+
+    def dim(self) -> int:
+        return len(self.shape)

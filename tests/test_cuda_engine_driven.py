@@ -36,7 +36,14 @@ GEOMETRIES = [
     KVGeometry(2, 12, 8, 4, 16, "bfloat16", False),   # HND, several heads: 2-D copies
     KVGeometry(3, 10, 16, 1, 32, "float32", False),   # one head: merged 1-D runs
     KVGeometry(2, 12, 8, 1, 64, "float16", True),     # MLA
+    KVGeometry(2, 12, 8, 4, 16, "bfloat16", False, "NHD"),  # NHD: a block is one 1-D run
+    KVGeometry(3, 10, 16, 3, 8, "float32", False, "NHD"),
 ]
+
+
+def gid(g: KVGeometry) -> str:
+    return (f"L{g.num_layers}H{g.num_heads}{'-mla' if g.mla else ''}"
+            f"{'-nhd' if g.layout == 'NHD' and not g.mla else ''}")
 
 
 def fake_cache(drv: FakeDriver, g: KVGeometry, kind: str = "vmm",
@@ -46,7 +53,7 @@ def fake_cache(drv: FakeDriver, g: KVGeometry, kind: str = "vmm",
     ptrs = [drv.add_alloc(g.layer_nbytes, kind) for _ in range(g.num_layers)]
     cache = CudaKVCache.from_pointers(
         ptrs, num_blocks=g.num_blocks, block_size=g.block_size, num_heads=g.num_heads,
-        head_dim=g.head_dim, dtype=g.dtype, mla=g.mla, driver=drv)
+        head_dim=g.head_dim, dtype=g.dtype, mla=g.mla, layout=g.layout, driver=drv)
     rng = np.random.default_rng(seed)
     layers = []
     for p in ptrs:
@@ -83,8 +90,7 @@ def no_pins_left() -> Iterator[None]:
     staging._no_3d.clear()
 
 
-@pytest.mark.parametrize("g", GEOMETRIES, ids=lambda g: f"L{g.num_layers}H{g.num_heads}"
-                         f"{'-mla' if g.mla else ''}")
+@pytest.mark.parametrize("g", GEOMETRIES, ids=gid)
 def test_store_plan_matches_the_cpu_copy(g: KVGeometry) -> None:
     drv = FakeDriver()
     cache, layers = fake_cache(drv, g)
@@ -105,15 +111,15 @@ def test_store_plan_matches_the_cpu_copy(g: KVGeometry) -> None:
     kinds = [c[0] for c in drv.calls if c[0] in ("host_register", "stream_sync", *copies)]
     assert kinds[0] == "host_register" and kinds[-1] == "stream_sync"
     # Several heads: runs of consecutive ids as 3-D copies, lone blocks as 2-D ones.
-    assert set(kinds[1:-1]) == ({"memcpy2d", "memcpy3d"} if g.num_heads > 1 and not g.mla
+    assert set(kinds[1:-1]) == ({"memcpy2d", "memcpy3d"}
+                                if g.num_heads > 1 and not g.mla and g.layout == "HND"
                                 else {"memcpy2d"})
     assert {c[-1] for c in drv.calls if c[0] in copies} == {STREAM}
     assert drv.calls[-1] == ("stream_sync", STREAM) and not drv.queued
     assert copied_bytes(drv) == 2 * slots[0].length  # every byte of both objects, once
 
 
-@pytest.mark.parametrize("g", GEOMETRIES, ids=lambda g: f"L{g.num_layers}H{g.num_heads}"
-                         f"{'-mla' if g.mla else ''}")
+@pytest.mark.parametrize("g", GEOMETRIES, ids=gid)
 @pytest.mark.parametrize("skip_tokens", [0, 8, CHUNK + 8])
 def test_retrieve_plan_matches_the_cpu_copy(g: KVGeometry, skip_tokens: int) -> None:
     drv = FakeDriver()
@@ -184,6 +190,31 @@ def test_one_head_and_mla_plans_merge_contiguous_runs() -> None:
     scattered = staging.store_plan(g2, [0x1000_0000, 0x2000_0000], np.array([3, 1, 5, 7]),
                                    [0x9000_0000], [0], CHUNK)
     assert len(scattered) == 2 * g2.num_layers * 4 * g2.num_heads and (scattered.depth == 1).all()
+
+
+def test_nhd_plan_is_one_1d_copy_per_kv_layer_run() -> None:
+    """NHD: a block [block_size, heads * head_dim] is one contiguous run of the chunk, so
+    a run of consecutive block ids is one 1-D copy per (K/V, layer), whatever the heads."""
+    g = GEOMETRIES[3]
+    assert g.layout == "NHD" and g.num_heads > 1
+    per = CHUNK // g.block_size
+    ptrs = [0x1000_0000, 0x2000_0000]
+    block = g.block_size * g.hidden_dim * g.itemsize
+    plan = staging.store_plan(g, ptrs, np.arange(2, 2 + per), [0x9000_0000], [0], CHUNK)
+    assert len(plan) == 2 * g.num_layers and plan.height == 1 and (plan.depth == 1).all()
+    assert (plan.width == per * block).all()
+    # (K, layer 0) first: from block 2 of layer 0 to the start of the slot.
+    assert (int(plan.src[0]), int(plan.dst[0])) == (ptrs[0] + 2 * block, 0x9000_0000)
+    # V of layer 1: the V plane starts num_blocks blocks in; the chunk's V half after K.
+    assert int(plan.src[-1]) == ptrs[1] + (g.num_blocks + 2) * block
+    assert int(plan.dst[-1]) == 0x9000_0000 + (2 * g.num_layers - 1) * CHUNK * g.hidden_dim \
+        * g.itemsize
+    # Scattered ids: one copy per block; a run inside them is merged.
+    scattered = staging.retrieve_plan(g, ptrs, np.array([7, 1, 2, 5][:per]), [0x9000_0000],
+                                      CHUNK, skip_blocks=0)
+    runs = 3 if per == 4 else per
+    assert len(scattered) == 2 * g.num_layers * runs and scattered.nbytes == 2 * g.num_layers \
+        * per * block
 
 
 def test_nothing_lands_before_the_stream_is_synchronised() -> None:

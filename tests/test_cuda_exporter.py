@@ -39,7 +39,7 @@ from lmcache_mp.pickle_emitter import emit_cuda_ipc_wrapper, emit_raw_cuda_wrapp
 from lmcache_mp.protocol import Profile, get_profile
 from lmcache_mp.protocol.types import WrapperBlob
 
-from .fake_cuda import UUID16, UUID_STR, FakeDriver
+from .fake_cuda import UUID16, UUID_STR, FakeDriver, FakeTensor
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = json.loads((REPO / "fixtures" / "v0.5.3" / "pickles.json").read_text())
@@ -387,33 +387,6 @@ def test_cache_methods_make_the_primary_context_current() -> None:
     cache.close()
 
 
-class FakeTensor:
-    """Just what from_torch reads from a torch tensor."""
-
-    class Device:
-        def __init__(self, index: int, type: str = "cuda") -> None:
-            self.type, self.index = type, index
-
-        def __eq__(self, other: object) -> bool:
-            return isinstance(other, FakeTensor.Device) and (self.type, self.index) == (
-                other.type, other.index)
-
-        def __repr__(self) -> str:
-            return f"{self.type}:{self.index}"
-
-    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: str = "torch.bfloat16",
-                 device: int = 0, contiguous: bool = True, kind: str = "cuda") -> None:
-        self.ptr, self.shape, self.dtype = ptr, shape, dtype
-        self.device = FakeTensor.Device(device, kind)
-        self.contiguous = contiguous
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def is_contiguous(self) -> bool:
-        return self.contiguous
-
-
 def test_from_torch_checks_bases_and_shapes() -> None:
     drv = FakeDriver()
     shape = (2, 4, 2, 16, 64)
@@ -439,8 +412,11 @@ def test_from_torch_checks_bases_and_shapes() -> None:
         wrappers(raw)
     wrappers(raw, get_profile("0.5.5"))
 
-    with pytest.raises(InvalidArgument, match="not contiguous"):
+    with pytest.raises(InvalidArgument, match="dense in neither NHD nor HND"):
         CudaKVCache.from_torch([FakeTensor(good[0].ptr, shape, contiguous=False)], driver=drv)
+    with pytest.raises(InvalidArgument, match="not contiguous"):
+        CudaKVCache.from_torch([FakeTensor(good[0].ptr, (4, 16, 64), contiguous=False)],
+                               mla=True, driver=drv)
     with pytest.raises(InvalidArgument, match="not a CUDA tensor"):
         CudaKVCache.from_torch([FakeTensor(good[0].ptr, shape, kind="cpu")], driver=drv)
     with pytest.raises(InvalidArgument, match="mla=True"):

@@ -260,6 +260,44 @@ def test_torch_allocator_memory() -> None:
 
 
 @needs_gpu
+def test_vllm_style_permuted_views_copy_like_the_cpu_path() -> None:
+    """Logical NHD views of HND memory, all in one torch allocation (what vLLM hands an
+    HND backend's connector): from_torch registers HND at each layer's offset, and an
+    engine-driven STORE puts the same bytes in the slots as CpuKVCache.wrap of the same
+    views copied to the host."""
+    import numpy as np
+
+    from lmcache_mp import CpuKVCache
+    from lmcache_mp.engine_driven import copy_into_slots
+    from lmcache_mp.ipc.cuda import CudaKVCache, staging
+
+    from .test_cuda_engine_driven import CHUNK, pool_and_slots
+
+    torch = _torch_cuda()
+    nl, nb, bs, nh, hd = 2, 12, 16, 4, 32
+    n = 2 * nb * nh * bs * hd
+    big = torch.randn(256 + nl * n, device="cuda").to(torch.float16)
+    views = [big[256 + i * n: 256 + (i + 1) * n].view(2, nb, nh, bs, hd).permute(0, 1, 3, 2, 4)
+             for i in range(nl)]
+    cache = CudaKVCache.from_torch(views, layout="NHD")
+    assert cache.kv_layout == "HND" and [e.offset for e in cache.exports][1] - \
+        cache.exports[0].offset == n * 2
+    cpu = CpuKVCache.wrap([v.cpu().numpy() for v in views], layout="NHD", block_size=bs)
+    ids = np.array([3, 4, 9, 1, 2, 5, 7, 8][: 2 * CHUNK // bs], np.int64)
+    got = []
+    try:
+        for c in (cache, cpu):
+            pool, slots, buf = pool_and_slots(c.geometry, 2)
+            copy_into_slots(c, ids, slots, [1, 0], pool, CHUNK)  # type: ignore[arg-type]
+            got.append(buf.tobytes())
+            if c is cache:
+                staging.unpin(pool.view)
+    finally:
+        cache.close()
+    assert got[0] == got[1] and any(got[0])
+
+
+@needs_gpu
 def test_default_stream_is_torchs_current_stream(cache: Any) -> None:
     torch = _torch_cuda()
     side = torch.cuda.Stream()  # torch's pool streams are cudaStreamNonBlocking

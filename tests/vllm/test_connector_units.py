@@ -259,11 +259,13 @@ class FakeReg:
         self.next: Future = Future(True)
 
     def retrieve_async(self, key: Any, ids: list[int], *, skip_first_n_tokens: int,
-                       timeout: float) -> Future:
+                       timeout: float, stream: Any) -> Future:
+        assert stream is None  # torch's current stream at the call (CUDA caches)
         self.sent.append(("RETRIEVE", key, ids))
         return self.next
 
-    def store_async(self, key: Any, ids: list[int], *, timeout: float) -> Future:
+    def store_async(self, key: Any, ids: list[int], *, timeout: float, stream: Any) -> Future:
+        assert stream is None
         self.sent.append(("STORE", key, ids))
         return self.next
 

@@ -84,14 +84,9 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        if self.cfg.mode == "lmcache":
-            raise InvalidArgument(
-                "lmcache.mp.mp_transfer_mode 'lmcache_driven' needs memory the server can "
-                "map, and vLLM's CPU KV tensors are not shared memory: use 'auto' or "
-                "'engine_driven' (and start the server with --supported-transfer-mode auto "
-                "--shm-name NAME from LMCache 0.5.4)")
         # One group (no hybrid KV-cache groups): layers in vLLM's registration order.
-        cache = wrap_layers(list(kv_caches.values()), self.block_size)
+        # CPU tensors: engine-driven only; CUDA tensors: either mode (kv_caches.py).
+        cache = wrap_layers(list(kv_caches.values()), self.block_size, self.cfg.mode)
         worker = self.worker
 
         def register() -> Any:

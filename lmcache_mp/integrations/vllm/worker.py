@@ -8,6 +8,18 @@ done; a failed or dropped RETRIEVE reports its blocks through
 server is down nothing is sent (loads fail at once, stores are skipped), so a dead
 server never holds the forward pass; the registration re-registers itself when the
 server is back (lmcache_mp's recovery).
+
+CUDA KV caches: ordering on torch's current stream. vLLM calls ``start_load_kv`` and
+``wait_for_save`` on the thread that queues the forward pass, and the transfers go
+out with ``stream=None``, which lmcache_mp resolves to torch's current stream there
+(as LMCache's own connector records its event on the current stream). A STORE,
+submitted in ``wait_for_save``, sends an event recorded after the forward pass's
+kernels: the server's copy waits for the blocks' writes. A RETRIEVE's reply is
+collected in ``get_finished`` (vLLM loads asynchronously: the request is not scheduled
+before that), which makes the same stream wait for the server's copy before any later
+forward pass is queued on it; a finished STORE does the same before vLLM may reuse its
+blocks. Engine-driven CUDA transfers copy on that stream and synchronise it before
+returning.
 """
 
 from __future__ import annotations
@@ -41,6 +53,8 @@ class WorkerSide:
         self._register: Callable[[], Any] | None = None
         self._next_register = 0.0
         self.block_size = 0
+        #: The CUDA stream of transfers: None is torch's current stream at each call.
+        self.stream: Any = None
         self._loads: dict[str, list[tuple[Any, tuple[int, ...]]]] = {}
         self._stores: dict[str, list[Any]] = {}
         self._finished: set[str] = set()   # vLLM says finished; stores may still run
@@ -92,7 +106,7 @@ class WorkerSide:
                     future = self.reg.retrieve_async(
                         self._key(op), list(op.block_ids),
                         skip_first_n_tokens=op.skip_first_n_tokens,
-                        timeout=self.cfg.transfer_timeout)
+                        timeout=self.cfg.transfer_timeout, stream=self.stream)
                 except LMCacheMPError as err:
                     log.warning("lmcache_mp connector: RETRIEVE %s not sent: %s",
                                 op.request_id, err)
@@ -105,7 +119,8 @@ class WorkerSide:
                 continue
             try:
                 future = self.reg.store_async(self._key(op), list(op.block_ids),
-                                              timeout=self.cfg.transfer_timeout)
+                                              timeout=self.cfg.transfer_timeout,
+                                              stream=self.stream)
             except LMCacheMPError as err:
                 log.warning("lmcache_mp connector: STORE %s not sent: %s", op.request_id, err)
                 self.stats["store_errors"] += 1

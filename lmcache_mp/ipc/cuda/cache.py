@@ -27,12 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from ...checks import one_of, positive_int
+from ...checks import one_of
 from ...errors import InvalidArgument
-from ..base import STORAGE_DTYPES, CudaLayerExport, KVGeometry, KVLayout, LayerExport, VmmLayerExport
+from ..base import CudaLayerExport, KVGeometry, KVLayout, LayerExport, VmmLayerExport
 from .driver import CudaDriver, get_driver
 from .export import (
-    CudaArrayView,
     DeviceAllocation,
     ExportedAllocation,
     TransferEvent,
@@ -41,8 +40,8 @@ from .export import (
     default_stream,
     on_device,
     stream_handle,
-    torch_layer_layout,
 )
+from .torch_layers import checked_geometry, torch_layer_layout, torch_views
 
 __all__ = ["CudaKVCache", "WrapperFormat", "WRAPPER_FORMATS"]
 
@@ -55,27 +54,16 @@ def _check_wrapper(wrapper: object) -> WrapperFormat:
     return wrapper  # type: ignore[return-value]
 
 
-def _geometry(num_layers: int, num_blocks: int, block_size: int, num_heads: int,
-              head_dim: int, dtype: str, mla: bool) -> KVGeometry:
-    if dtype not in STORAGE_DTYPES:
-        raise InvalidArgument(
-            f"dtype {dtype!r} is not supported; use one of {', '.join(STORAGE_DTYPES)}")
-    if mla and num_heads != 1:
-        raise InvalidArgument("an MLA cache has one latent head: pass num_heads=1")
-    return KVGeometry(
-        positive_int("num_layers", num_layers), positive_int("num_blocks", num_blocks),
-        positive_int("block_size", block_size), positive_int("num_heads", num_heads),
-        positive_int("head_dim", head_dim), dtype, bool(mla))
-
-
 class CudaKVCache:
     """Per-layer GPU KV tensors the LMCache server maps through CUDA IPC.
 
     Build one with :meth:`allocate` (memory of its own, always exportable),
     :meth:`from_torch` (caller-owned tensors) or :meth:`from_pointers`. Layers are HND
-    ``[2, num_blocks, num_heads, block_size, head_dim]`` (MLA: ``[num_blocks,
-    block_size, head_dim]``), contiguous. Unregister before closing: the server keeps
-    mapping the memory until then.
+    ``[2, num_blocks, num_heads, block_size, head_dim]`` (the default) or NHD ``[2,
+    num_blocks, block_size, num_heads, head_dim]`` (``layout="NHD"``, vLLM's default),
+    or MLA ``[num_blocks, block_size, head_dim]``, dense. Every release's GPU server
+    reads the layout hint this cache sends (:attr:`kv_layout`). Unregister before
+    closing: the server keeps mapping the memory until then.
     """
 
     def __init__(
@@ -120,6 +108,7 @@ class CudaKVCache:
         head_dim: int,
         dtype: str = "bfloat16",
         mla: bool = False,
+        layout: KVLayout = "HND",
         device: int = 0,
         wrapper: WrapperFormat = "auto",
         wait_host: bool = False,
@@ -128,8 +117,8 @@ class CudaKVCache:
         """Allocate ``num_layers`` zero-filled layers on ``device``, one ``cudaMalloc``
         each, so every layer is the base of its own allocation (every form can carry
         it)."""
-        geometry = _geometry(num_layers, num_blocks, block_size, num_heads, head_dim,
-                             dtype, mla)
+        geometry = checked_geometry(num_layers, num_blocks, block_size, num_heads, head_dim,
+                             dtype, mla, layout)
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
@@ -163,6 +152,7 @@ class CudaKVCache:
         head_dim: int,
         dtype: str = "bfloat16",
         mla: bool = False,
+        layout: KVLayout = "HND",
         device: int = 0,
         keepalive: object = None,
         wrapper: WrapperFormat = "auto",
@@ -170,16 +160,16 @@ class CudaKVCache:
         driver: CudaDriver | None = None,
         torch_layers: Sequence[Any] | None = None,
     ) -> CudaKVCache:
-        """Register memory the caller owns, one device pointer per layer (contiguous,
-        HND or MLA as in the class docstring). ``keepalive`` is held until close;
+        """Register memory the caller owns, one device pointer per layer (dense, in
+        ``layout``, or MLA, as in the class docstring). ``keepalive`` is held until close;
         ``torch_layers``, if given, are returned by :attr:`torch_layers`. A pointer may
         sit inside a larger allocation (PyTorch's caching allocator): every form but
         LMCache 0.5.3's ``raw`` carries the offset, and that one refuses at REGISTER."""
         ptrs = list(ptrs)
         if not ptrs:
             raise InvalidArgument("ptrs must hold one device pointer per layer (got none)")
-        geometry = _geometry(len(ptrs), num_blocks, block_size, num_heads, head_dim, dtype,
-                             mla)
+        geometry = checked_geometry(len(ptrs), num_blocks, block_size, num_heads, head_dim, dtype,
+                             mla, layout)
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
@@ -214,21 +204,23 @@ class CudaKVCache:
         cls,
         layers: Sequence[Any],
         *,
+        layout: KVLayout = "HND",
         mla: bool = False,
         wrapper: WrapperFormat = "auto",
         wait_host: bool = False,
         driver: CudaDriver | None = None,
     ) -> CudaKVCache:
-        """Register caller-owned CUDA torch tensors, one per layer: contiguous HND
-        ``[2, num_blocks, num_heads, block_size, head_dim]`` (``mla=True``:
-        ``[num_blocks, block_size, head_dim]``), same shape, dtype and device."""
+        """Register caller-owned CUDA torch tensors, one per layer (same shape, strides,
+        dtype, device) shaped in ``layout`` (or MLA). The memory may be dense in the
+        other order (a permuted view): the cache takes the layout the strides show
+        (:attr:`kv_layout`). Views into one allocation are fine (:mod:`.torch_layers`)."""
         layers = list(layers)
-        dtype, (num_blocks, num_heads, block_size, head_dim), index = torch_layer_layout(
-            layers, mla)
+        found = torch_layer_layout(layers, mla, layout)
+        num_blocks, num_heads, block_size, head_dim = found.dims
         return cls.from_pointers(
             [int(t.data_ptr()) for t in layers], num_blocks=num_blocks,
-            block_size=block_size, num_heads=num_heads, head_dim=head_dim, dtype=dtype,
-            mla=mla, device=index, keepalive=layers,
+            block_size=block_size, num_heads=num_heads, head_dim=head_dim, dtype=found.dtype,
+            mla=mla, layout=found.layout, device=found.device, keepalive=layers,
             wrapper=wrapper, wait_host=wait_host, driver=driver, torch_layers=layers)
 
     # --------------------------------------------------------------- views
@@ -247,21 +239,10 @@ class CudaKVCache:
         CUDA). Tensors handed out keep the memory alive after :meth:`close`."""
         self._check_open()
         if self._torch_layers is None:
-            owners = self._owners
-            try:
-                import torch
-            except ImportError:
-                raise InvalidArgument(
-                    "torch is not installed: use .layer_ptrs, or install torch") from None
-            g = self.geometry
-            tdtype = getattr(torch, g.dtype)
-            dev = torch.device("cuda", self.device)
-            layers = []
-            for i, e in enumerate(self._exports):
-                owner = owners[i] if len(owners) == len(self._exports) else self
-                view = CudaArrayView(owner, e.ptr, g.layer_nbytes)
-                layers.append(torch.as_tensor(view, device=dev).view(tdtype).view(g.layer_shape))
-            self._torch_layers = layers
+            n, owners = len(self._exports), self._owners
+            self._torch_layers = torch_views(
+                self.geometry, self.device, self.layer_ptrs,
+                owners if len(owners) == n else [self] * n)
         return self._torch_layers
 
     #: This cache can be registered with ``mode="engine"``: the client copies its blocks
@@ -325,8 +306,9 @@ class CudaKVCache:
 
     @property
     def kv_layout(self) -> KVLayout | None:
-        # GPU servers default to NHD for 5-D layers: say HND. MLA has no head axis.
-        return None if self.geometry.mla else "HND"
+        # GPU servers default to NHD for 5-D layers but every release honours the hint
+        # there (docs/vllm.md): always say which. MLA has no head axis.
+        return None if self.geometry.mla else self.geometry.layout
 
     def _stream(self, stream: Any) -> int:
         return default_stream(self.device) if stream is None else stream_handle(stream)

@@ -40,7 +40,6 @@ __all__ = [
     "default_stream",
     "stream_handle",
     "check_server_event",
-    "torch_layer_layout",
 ]
 
 
@@ -244,18 +243,6 @@ class DeviceAllocation:
         return not self._finalizer.alive
 
 
-class CudaArrayView:
-    """``__cuda_array_interface__`` over one allocation, for torch.as_tensor; the
-    tensor keeps this object (and so the allocation) alive."""
-
-    def __init__(self, owner: object, ptr: int, nbytes: int) -> None:
-        self._owner = owner
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3,
-            "strides": None,
-        }
-
-
 def destroy_event(driver: CudaDriver, device: int, event: Any) -> None:
     """cudaEventDestroy on ``device``, never raising (exit paths, gone drivers)."""
     try:
@@ -285,50 +272,6 @@ class TransferEvent:
     @property
     def destroyed(self) -> bool:
         return not self._finalizer.alive
-
-
-# (dtype name, (num_blocks, num_heads, block_size, head_dim), device index)
-TorchLayout = tuple[str, tuple[int, int, int, int], int]
-
-
-def torch_layer_layout(layers: list[Any], mla: bool) -> TorchLayout:
-    """What :meth:`CudaKVCache.from_torch` needs from caller-owned CUDA tensors, checked
-    (one per layer, contiguous, same shape, dtype and device): the dtype name,
-    ``(num_blocks, num_heads, block_size, head_dim)`` and the device index."""
-    if not layers:
-        raise InvalidArgument("layers must hold one CUDA tensor per layer (got none)")
-    first = layers[0]
-    shape = tuple(int(d) for d in getattr(first, "shape", ()))
-    for i, t in enumerate(layers):
-        device = getattr(t, "device", None)
-        if getattr(device, "type", None) != "cuda":
-            raise InvalidArgument(f"layer {i} is not a CUDA tensor (device {device})")
-        if tuple(int(d) for d in t.shape) != shape or t.dtype != first.dtype \
-                or t.device != first.device:
-            raise InvalidArgument(
-                f"layer {i} differs from layer 0 in shape, dtype or device: "
-                f"{tuple(t.shape)} {t.dtype} {t.device} vs {shape} {first.dtype} "
-                f"{first.device}")
-        if not t.is_contiguous():
-            raise InvalidArgument(
-                f"layer {i} is not contiguous: the server maps it as a dense block "
-                f"(pass .contiguous() copies, or allocate with CudaKVCache.allocate)")
-    dtype = str(first.dtype).removeprefix("torch.")
-    if mla:
-        if len(shape) != 3:
-            raise InvalidArgument(
-                f"MLA layers are [num_blocks, block_size, head_dim], got {shape}")
-        num_blocks, block_size, head_dim = shape
-        num_heads = 1
-    else:
-        if len(shape) != 5 or shape[0] != 2:
-            hint = " (an MLA cache? pass mla=True)" if len(shape) == 3 else ""
-            raise InvalidArgument(
-                f"layers must be HND [2, num_blocks, num_heads, block_size, head_dim], "
-                f"got {shape}{hint}")
-        _, num_blocks, num_heads, block_size, head_dim = shape
-    index = first.device.index
-    return dtype, (num_blocks, num_heads, block_size, head_dim), 0 if index is None else int(index)
 
 
 def check_device_index(device: object) -> int:

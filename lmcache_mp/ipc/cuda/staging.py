@@ -16,8 +16,10 @@ and COMMIT_*, after every slot was checked):
 * the copy plan (:func:`store_plan` / :func:`retrieve_plan`): a chunk object is
   token-major (``[2, layers, tokens, heads * head_dim]``) and an HND block head-major,
   so one ``cudaMemcpy3DAsync`` per (K/V, layer, head, run of consecutive block ids), or
-  a ``cudaMemcpy2DAsync`` per block of the run if the driver refuses 3-D copies; with
-  one head or MLA, rows are contiguous on both sides and runs become 1-D copies.
+  a ``cudaMemcpy2DAsync`` per block of the run if the driver refuses 3-D copies; an NHD
+  block ``[block_size, heads * head_dim]`` is one contiguous run of the chunk, and so
+  are blocks with one head or MLA: one 1-D copy per (K/V, layer, run of consecutive
+  block ids).
 * the copies go on the caller's stream, after the work already queued there (the
   engine's writes of the blocks), and that stream is synchronised before returning:
   for STORE because COMMIT_STORE publishes the slots, for RETRIEVE because
@@ -95,6 +97,17 @@ def _block_major(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
     pos = np.arange(len(ids), dtype=np.int64)
     layers = np.asarray(layer_ptrs, dtype=np.int64)
     nl = len(layers)
+    if not g.mla and g.layout == "NHD":
+        # layer [2, num_blocks, block_size, heads * head_dim]: a block is one row of
+        # block_size * heads * head_dim, as is its run of the chunk's tokens
+        row = g.block_size * g.hidden_dim * it
+        kv = np.arange(2, dtype=np.int64)[:, None, None]
+        lay = np.arange(nl, dtype=np.int64)[None, :, None]
+        dev = layers[None, :, None] + (kv * g.num_blocks + ids[None, None, :]) * row
+        obj = ((kv * nl + lay) * chunk_tokens + pos[None, None, :] * g.block_size) \
+            * g.hidden_dim * it
+        shape = (2 * nl, len(ids), 1)
+        return dev.reshape(shape), obj.reshape(shape), row, 1, row, row
     if g.mla:
         # layer [blocks, block_size, head_dim] -> object [layers, tokens, head_dim]
         row = g.block_size * g.head_dim * it
@@ -125,9 +138,9 @@ def _build(g: KVGeometry, layer_ptrs: Sequence[int],
     a block's rows of one head are ``head_dim`` apart on the block side and ``heads *
     head_dim`` apart in the chunk, so a block takes a 2-D copy, and the next block of a
     run is one block (``heads * block_size * head_dim``) further on both sides, so a run
-    is a 3-D copy. One head or MLA: rows are contiguous on both sides, merged into 1-D
-    copies as long as the block ids run on."""
-    deep = not g.mla and g.num_heads > 1
+    is a 3-D copy. NHD, one head or MLA: a block is contiguous on both sides, merged
+    into 1-D copies as long as the block ids run on."""
+    deep = not g.mla and g.layout == "HND" and g.num_heads > 1
     devs, objs, depths = [], [], []
     width = height = bpitch = cpitch = 0
     for ids, skip, addr in chunks:
