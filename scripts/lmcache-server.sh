@@ -104,7 +104,8 @@ runs_server() {  # pid still runs, and is an LMCache server on this port (not a 
 # those are ever stopped.
 owner="LMCACHE_MP_SERVER_OWNER=$repo"
 is_our_server() {
-  runs_server "$1" && [ -r "/proc/$1/environ" ] && tr '\0' '\n' <"/proc/$1/environ" | grep -qxF "$owner"
+  # 2>/dev/null: the process may exit between the checks (a stop racing its own exit)
+  runs_server "$1" && [ -r "/proc/$1/environ" ] && tr '\0' '\n' 2>/dev/null <"/proc/$1/environ" | grep -qxF "$owner"
 }
 
 start() {
