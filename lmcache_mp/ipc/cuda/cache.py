@@ -118,7 +118,7 @@ class CudaKVCache:
         each, so every layer is the base of its own allocation (every form can carry
         it)."""
         geometry = checked_geometry(num_layers, num_blocks, block_size, num_heads, head_dim,
-                             dtype, mla, layout)
+                                    dtype, mla, layout)
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
@@ -168,8 +168,8 @@ class CudaKVCache:
         ptrs = list(ptrs)
         if not ptrs:
             raise InvalidArgument("ptrs must hold one device pointer per layer (got none)")
-        geometry = checked_geometry(len(ptrs), num_blocks, block_size, num_heads, head_dim, dtype,
-                             mla, layout)
+        geometry = checked_geometry(len(ptrs), num_blocks, block_size, num_heads, head_dim,
+                                    dtype, mla, layout)
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
