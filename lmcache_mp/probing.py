@@ -21,8 +21,8 @@ deadline (see :meth:`ProbeState.verdict`):
 
 Nothing here runs while replies arrive in time: the probe point is computed once per
 blocking wait, and the rest only for a request that is about to time out.
-This module holds the state and the decisions; :mod:`lmcache_mp.transport` does the
-I/O, under its lock.
+This module holds the state and the decisions; :mod:`lmcache_mp.transport_gate` does
+the I/O, under the transport's lock.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from .errors import LMCacheMPError, RequestTimeout, ServerUnresponsive
 
 if TYPE_CHECKING:
-    from .transport import PendingRequest
+    from .transport_pending import PendingRequest
 
 __all__ = ["ProbeState", "PROBE_LEAD_S", "MIN_SILENCE_S", "REPROBE_S", "PROBE_TIMEOUT_S",
            "probe_point"]

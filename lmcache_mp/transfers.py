@@ -32,7 +32,7 @@ from .keys import CacheKey
 from .protocol import decode_reply
 from .protocol.operations import Operation
 from .protocol.types import PrepareRetrieveResponse, PrepareStoreResponse
-from .transport import PendingRequest
+from .transport_pending import PendingRequest
 
 if TYPE_CHECKING:
     from .registration import Binding, Registration

@@ -20,6 +20,11 @@ frames after the uid. Design, for latency and for never hanging:
 * ``MAXMSGSIZE``: a reply frame over :data:`MAX_REPLY_BYTES` is never buffered; ZMQ
   drops the connection instead, the calls in flight fail at once saying so, and the
   transport connects again (ZMQ itself would not after such a protocol error).
+
+The hot path (submit, send, wait, complete) is all here; the cold parts are beside it:
+:mod:`.transport_pending` (a request in flight, the errors that end it),
+:mod:`.transport_socket` (the socket, its release, its monitor's connection events),
+:mod:`.transport_gate` (the unresponsive gate and its probes).
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ from __future__ import annotations
 import itertools
 import os
 import select
-import struct
 import threading
 import time
 import weakref
@@ -37,32 +41,14 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from .errors import (
-    ClientClosed,
-    ConnectionChanged,
-    InvalidArgument,
-    LMCacheMPError,
-    RequestTimeout,
-    ServerUnavailable,
-)
-from .probing import PROBE_LEAD_S, PROBE_TIMEOUT_S, ProbeState
-
-# A monitor event's first frame: 16-bit event id, 32-bit value, native order, packed.
-_MONITOR_HEADER = struct.Struct("=hi")
+from .errors import ClientClosed, LMCacheMPError, RequestTimeout, ServerUnavailable
+from .probing import PROBE_LEAD_S, ProbeState
+from .transport_gate import check_gate_locked, declare_unresponsive, probe_for
+from .transport_pending import PendingRequest, connection_changed, unreachable_reason
+from .transport_socket import MAX_REPLY_BYTES, on_monitor_event, open_dealer
 
 __all__ = ["Transport", "PendingRequest", "MAX_REPLY_BYTES"]
 
-#: The largest reply frame accepted (``zmq.MAXMSGSIZE``). The largest reply an LMCache
-#: server sends this client is a PREPARE_* context, about 100 bytes per chunk slot, so
-#: 64 MiB is some 600,000 chunks (150 M tokens at 256-token chunks), far past any
-#: prompt; every other reply is a few bytes to a few kB. (Pickle-mode PREPARE_RETRIEVE
-#: carries tensors, but this client never uses that mode: it never unpickles.) Bounded,
-#: so a broken or foreign peer cannot make the client buffer gigabytes per frame.
-MAX_REPLY_BYTES = 64 << 20
-
-_MONITOR_EVENTS = (
-    zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_CLOSED
-)
 # A follower re-checks for a free leader slot at least this often, as a safety net
 # under the explicit leadership hand-off.
 _FOLLOWER_SLICE_S = 0.05
@@ -74,116 +60,18 @@ _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _OUTBOX_RETRY_MS = 2
 
 
-class PendingRequest:
-    """One request in flight. Completed with the reply frames (after the uid) or an error."""
-
-    __slots__ = ("uid", "label", "deadline", "timeout", "frames", "error", "done", "sent", "event",
-                 "out", "epoch", "sent_epoch")
-
-    def __init__(self, uid: bytes, label: str, timeout: float, out: list[bytes],
-                 epoch: int | None = None) -> None:
-        self.uid = uid
-        self.label = label
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
-        self.frames: list[bytes] | None = None
-        self.error: LMCacheMPError | None = None
-        self.done = False
-        self.sent = False
-        # Created only when a follower thread sleeps on this request: a lone blocking
-        # call never needs one. Order matters: completion sets ``done`` before reading
-        # ``event``, a follower sets ``event`` before re-checking ``done``.
-        self.event: threading.Event | None = None
-        self.out: list[bytes] | None = out
-        # Only send on this connection (see Transport.submit); the one it went out on.
-        self.epoch = epoch
-        self.sent_epoch = 0
-
-    def complete(self, frames: list[bytes]) -> None:
-        self.frames = frames
-        self.done = True
-        event = self.event
-        if event is not None:
-            event.set()
-
-    def fail(self, error: LMCacheMPError) -> None:
-        if not self.done:
-            self.error = error
-            self.done = True
-            event = self.event
-            if event is not None:
-                event.set()
-
-
-class _Resources:
-    """What must be released exactly once, by close() or by the finaliser at exit."""
-
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes],
-                 monitor: zmq.Socket[bytes], wake_r: int, wake_w: int) -> None:
-        self.ctx, self.sock, self.monitor = ctx, sock, monitor
-        self.wake_r, self.wake_w = wake_r, wake_w
-
-    def release(self) -> None:
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self.monitor.close(linger=0)
-        self.sock.close(linger=0)
-        self.ctx.term()
-        os.close(self.wake_r)
-        os.close(self.wake_w)
-
-
 class Transport:
     """A DEALER connected to ``url``; thread-safe; see the module docstring."""
 
     def __init__(self, url: str) -> None:
         self.url = url
-        ctx: zmq.Context[zmq.Socket[bytes]] | None = None
-        sock: zmq.Socket[bytes] | None = None
-        monitor: zmq.Socket[bytes] | None = None
-        connecting = False
-        try:
-            ctx = zmq.Context(io_threads=1)
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            # Retry a lost connection every 50 ms, backing off to at most 200 ms: a
-            # restarted server is reached within 0.2 s of listening (a refused connect
-            # to a co-located server costs next to nothing).
-            sock.setsockopt(zmq.RECONNECT_IVL, 50)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-            if "://[" in url:  # an IPv6 literal (only then: names keep resolving to IPv4)
-                sock.setsockopt(zmq.IPV6, 1)
-            monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
-            connecting = True
-            sock.connect(url)
-            connecting = False
-            wake_r, wake_w = os.pipe()
-        except (zmq.ZMQError, OSError) as exc:
-            for s in (monitor, sock):
-                if s is not None:
-                    s.close(linger=0)
-            if ctx is not None:
-                ctx.term()
-            if connecting:
-                raise InvalidArgument(
-                    f"cannot connect to {url!r}: {exc}; expected e.g. tcp://127.0.0.1:5555"
-                ) from None
-            raise LMCacheMPError(
-                f"cannot set up the client's ZMQ socket for {url}: {exc} (out of file "
-                f"descriptors? close unused clients)") from None
-        self._res = _Resources(ctx, sock, monitor, wake_r, wake_w)
-        self._finalizer = weakref.finalize(self, self._res.release)
-        self._sock = sock
-        self._monitor = monitor
+        self._res = res = open_dealer(url)
+        self._finalizer = weakref.finalize(self, res.release)
+        self._sock = sock = res.sock
+        self._monitor = monitor = res.monitor
         self._poller = select.poll()
         self._monitor_fd = int(monitor.getsockopt(zmq.FD))
-        for fd in (int(sock.getsockopt(zmq.FD)), self._monitor_fd, wake_r):
+        for fd in (int(sock.getsockopt(zmq.FD)), self._monitor_fd, res.wake_r):
             self._poller.register(fd, select.POLLIN)
 
         self._lock = threading.Lock()  # guards the sockets and the tables below
@@ -222,12 +110,12 @@ class Transport:
         p = PendingRequest(uid, label, timeout, out, epoch)
         with self._lock:
             if self._gated:
-                self._check_gate_locked(label)  # raises unless the server answers again
+                check_gate_locked(self, label)  # raises unless the server answers again
             if epoch is not None:
                 if self._drain_monitor_locked() and self._leader.locked():
                     self._wake_leader()  # its requests may have been failed
                 if epoch != self.epoch:
-                    p.fail(self._connection_changed(p))
+                    p.fail(connection_changed(p, self.url, self.epoch))
                     return p
             self._enqueue_locked(p)
             if self._leader.locked():
@@ -237,69 +125,10 @@ class Transport:
                     self._wake_leader()
         return p
 
-    def _check_gate_locked(self, label: str) -> None:
-        """Closed: ClientClosed. Judged unresponsive: ServerUnresponsive at once, unless
-        a probe was answered or the socket connected again meanwhile (the gate lifts)."""
-        if self._closed:
-            raise ClientClosed(f"the client for {self.url} is closed; create a new Client")
-        woke = self._drain_monitor_locked()  # a new connection lifts the gate
-        woke += self._drain_inbound_locked()  # so may a probe's reply
-        if woke and self._leader.locked():
-            self._wake_leader()
-        live = self.liveness
-        if self._gated and live.answered():
-            self._lift_locked()
-        if not self._gated:
-            return
-        now = time.monotonic()
-        if live.reprobe_due(now):
-            self._send_probe_locked()
-        raise live.fast_fail(label, now)
-
-    def _lift_locked(self) -> None:
-        self.liveness.lift()
-        self._gated = self._closed
-
-    def _send_probe_locked(self) -> None:
-        """Send a NOOP probe (never waited on: its reply is looked at by verdicts and by
-        the gate). Like submit(), minus the gate and the epoch."""
-        frames = self.liveness.frames
-        assert frames is not None
-        uid = msgspec.msgpack.encode(next(self._uids))
-        out = [uid, *frames]
-        p = PendingRequest(uid, "a NOOP liveness probe", PROBE_TIMEOUT_S, out)
-        self._enqueue_locked(p)
-        dropped = self.liveness.add(p)
-        if dropped is not None and not dropped.done:
-            self._pending.pop(dropped.uid, None)
-            if dropped.out is not None:
-                try:
-                    self._outbox.remove(dropped)
-                except ValueError:
-                    pass
-            dropped.fail(RequestTimeout("superseded by a newer probe"))
-        if self._leader.locked() and self._drain_inbound_locked():
-            self._wake_leader()
-
     def declare_unresponsive(self, frames: list[bytes]) -> None:
-        """Gate the transport: the protocol detection got no answer at all. Probes are
-        ``frames`` (a request answered on the server's message thread in every
-        release) until the protocol is known; the first answer lifts the gate."""
-        with self._lock:
-            if self._closed:
-                return
-            live = self.liveness
-            if live.frames is None:
-                live.frames = frames
-            self._send_probe_locked()
-            live.since = time.monotonic()
-            self._gated = True
-
-    def _probe_for(self, p: PendingRequest) -> None:
-        """``p`` is still unanswered near its deadline: make sure a probe follows it."""
-        with self._lock:
-            if not self._closed and self.liveness.needs_probe(p):
-                self._send_probe_locked()
+        """Gate the transport: the protocol detection got no answer at all (see
+        :func:`lmcache_mp.transport_gate.declare_unresponsive`)."""
+        declare_unresponsive(self, frames)
 
     def _enqueue_locked(self, p: PendingRequest) -> None:
         """Register ``p`` and send it now, or queue it behind requests still waiting for
@@ -350,7 +179,7 @@ class Transport:
             if p.epoch is not None and p.epoch != self.epoch:
                 outbox.popleft()
                 self._pending.pop(p.uid, None)
-                p.fail(self._connection_changed(p))
+                p.fail(connection_changed(p, self.url, self.epoch))
                 continue
             if not self._send_locked(p.out):
                 break
@@ -358,18 +187,11 @@ class Transport:
             self._mark_sent_locked(p)
         return self._drain_inbound_locked()
 
-    def _connection_changed(self, p: PendingRequest) -> ConnectionChanged:
-        return ConnectionChanged(
-            f"{p.label} was not sent: the connection to {self.url} was re-established "
-            f"(connection {self.epoch}, the request was for connection {p.epoch}), so the "
-            f"server may have restarted and forgotten registrations"
-        )
-
     def _drain_monitor_locked(self) -> int:
         monitor = self._monitor
         n = 0
         while int(monitor.get(_EVENTS)) & _POLLIN:
-            self._on_monitor_event(monitor.recv_multipart(_NOBLOCK))
+            on_monitor_event(self, monitor.recv_multipart(_NOBLOCK))
             n += 1
         return n
 
@@ -394,52 +216,6 @@ class Transport:
                 n += 1
         return n
 
-    def _on_monitor_event(self, msg: list[bytes]) -> None:
-        # zmq.utils.monitor.parse_monitor_message would import zmq.asyncio (and asyncio)
-        # at import time: the first frame is a 16-bit event id and a 32-bit value.
-        event = _MONITOR_HEADER.unpack_from(msg[0])[0]
-        if event == zmq.EVENT_CONNECTED:
-            self.connected = True
-            self._ever_connected = True
-            self.epoch += 1
-            if self._outbox and self._outbox[0] is self._barrier:
-                self._outbox.popleft()  # the lost connection's pipe is gone by now
-            # Possibly a restarted server: whatever the last one did not answer says
-            # nothing about this one.
-            if self._gated:
-                self._lift_locked()
-        elif event == zmq.EVENT_CONNECT_RETRIED:
-            self._refused += 1
-        elif event == zmq.EVENT_DISCONNECTED:
-            self.connected = False
-            # ZMQ detaches the lost connection's pipe a moment after this event: until
-            # then a send would vanish into it. Hold every send until a new connection.
-            if not (self._outbox and self._outbox[0] is self._barrier):
-                self._outbox.appendleft(self._barrier)
-            if self._gated:  # the verdict was about that connection; calls now wait
-                self._lift_locked()  # for a new one within their deadlines
-            # Replies to requests sent on the lost connection can never arrive: the
-            # server's ROUTER sees a new peer after a reconnect.
-            lost = [p for p in self._pending.values() if p.sent]
-            for p in lost:
-                del self._pending[p.uid]
-                p.fail(ServerUnavailable(
-                    f"lost the connection to the LMCache server at {self.url} while waiting "
-                    f"for the reply to {p.label}: the server exited or restarted, or a reply "
-                    f"frame exceeded this client's {MAX_REPLY_BYTES >> 20} MiB limit "
-                    f"(zmq.MAXMSGSIZE; no LMCache server sends one: a bug, or not an LMCache "
-                    f"server). The request may or may not have been executed. Check the "
-                    f"server, then retry (the client connects again by itself)."
-                ))
-            # After a protocol error (an oversized frame) ZMQ ends the connection for
-            # good instead of reconnecting; starting it afresh covers that and is the
-            # same as ZMQ's own reconnect otherwise.
-            try:
-                self._sock.disconnect(self.url)
-            except zmq.ZMQError:
-                pass
-            self._sock.connect(self.url)
-
     def _wake_leader(self) -> None:
         try:
             os.write(self._res.wake_w, b"\0")
@@ -452,7 +228,7 @@ class Transport:
         if not p.done:
             self._await(p, p.deadline - min(p.timeout * 0.5, PROBE_LEAD_S))  # probe_point
             if not p.done:  # no reply yet, near the deadline: is anything answering?
-                self._probe_for(p)
+                probe_for(self, p)
                 self._await(p, p.deadline)
         if p.error is not None:
             raise p.error
@@ -587,17 +363,8 @@ class Transport:
 
     def unreachable_reason(self, label: str, timeout: float) -> str:
         """Why ``label`` could not be sent within ``timeout`` s, and what to do."""
-        if self._ever_connected:
-            what = "the connection was lost and has not come back"
-        elif self._refused:
-            what = "nothing accepted the connection (refused)"
-        else:
-            what = "no connection could be made"
-        return (
-            f"could not send {label} to an LMCache server at {self.url} within "
-            f"{timeout:g} s: {what}. Start the server (python -m "
-            f"lmcache.v1.multiprocess.server --host ... --port ...) or check the URL."
-        )
+        return unreachable_reason(self.url, label, timeout, self._ever_connected,
+                                  self._refused)
 
     def cancel(self, p: PendingRequest) -> None:
         """Forget a request whose reply is no longer wanted (a late reply is dropped)."""
