@@ -76,27 +76,43 @@ class Connection:
         return self._detect(seconds)
 
     def _detect(self, seconds: float | None) -> Profile:
-        # Another thread's probe must not make this call overstay its deadline.
+        # Another thread's probe must not make this call overstay its deadline: the
+        # time spent waiting for it comes out of this call's own probe.
+        started = time.monotonic()
         if not self._detect_lock.acquire(timeout=-1 if seconds is None else seconds):
-            # Nothing was sent: the (new) connection is still being identified.
-            raise ServerUnavailable(
-                f"not sent: the protocol probe of the LMCache server at {self.url} (run by "
-                f"another thread after a new connection) did not finish within {seconds:g} s")
+            raise self._still_identifying(seconds)
         try:
-            return self._detect_locked(seconds)
+            if seconds is None:
+                return self._detect_locked(None)
+            left = seconds - (time.monotonic() - started)
+            if left <= 0 and self._current() is None:
+                raise self._still_identifying(seconds)
+            return self._detect_locked(left)
         finally:
             self._detect_lock.release()
 
+    def _current(self) -> Profile | None:
+        """The profile, if it was identified on the current connection."""
+        p = self._profile
+        if p is not None and (self.fixed_protocol or self._profile_epoch == self.transport.epoch):
+            return p
+        return None
+
+    def _still_identifying(self, seconds: float | None) -> ServerUnavailable:
+        # Nothing was sent: the (new) connection is still being identified.
+        return ServerUnavailable(
+            f"not sent: the protocol probe of the LMCache server at {self.url} (run by "
+            f"another thread after a new connection) did not finish within {seconds:g} s")
+
     def _detect_locked(self, seconds: float | None) -> Profile:
-        current = self._profile
-        if current is not None and (self.fixed_protocol
-                                    or self._profile_epoch == self.transport.epoch):
+        current = self._current()
+        if current is not None:
             return current
         pending: dict[str, PendingRequest] = {}
         try:
             budget = min(self.timeout, 2.0, self.timeout if seconds is None else seconds)
-            detection = detect(partial(self._probe_exchange, pending), self.url,
-                               timeout=budget)
+            detection = detect(partial(self._probe_exchange, pending,
+                                       time.monotonic() + budget), self.url, timeout=budget)
         except RequestTimeout as exc:
             fence = pending.get("fence")
             if fence is None or not fence.sent or any(
@@ -118,12 +134,15 @@ class Connection:
     def _probe_exchange(
         self,
         pending: dict[str, PendingRequest],
+        deadline: float,
         batch: Sequence[tuple[str, list[bytes]]],
         until: str,
         timeout: float,
     ) -> dict[str, list[bytes] | None]:
-        """Send probe frames in order; wait for ``until``; collect whatever else is in."""
+        """Send probe frames in order; wait for ``until``; collect whatever else is in.
+        Every exchange of one detection waits within its one ``deadline``."""
         transport = self.transport
+        timeout = max(min(timeout, deadline - time.monotonic()), 0.001)
         for name, frames in batch:
             pending[name] = transport.submit(frames, timeout, f"the protocol probe ({name})")
         target = pending.get(until)

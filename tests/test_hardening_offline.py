@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -156,6 +157,25 @@ def test_protocol_detection_against_a_silent_server_is_unresponsive(fake: FakeSe
         # The detection's fence, answered late, lifts the gate (the fake answers
         # what it received once it speaks again only for new requests: a re-probe).
         assert wait_until(lambda: timed(c.noop)[1] is None, timeout=2.5)
+
+
+
+def test_waiting_for_another_threads_protocol_probe_keeps_the_deadline() -> None:
+    """A call that waits while another thread probes a new connection has only its own
+    time left for its probe (it used to get its whole timeout again: a 1 s STORE took
+    2 s in the chaos test when four threads met a restarted server)."""
+    with socket.socket() as s:  # a port nothing listens on: every probe waits it out
+        s.bind(("127.0.0.1", 0))
+        url = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    with Client(url, timeout=0.5, heartbeat_interval=None) as c:  # protocol="auto"
+        results: list[tuple[float, BaseException | None]] = []
+        first = threading.Thread(target=lambda: results.append(timed(c.chunk_size)))
+        first.start()
+        time.sleep(0.2)  # the first thread holds the probe
+        took, err = timed(c.chunk_size)
+        first.join()
+        assert isinstance(err, ServerUnavailable) and took < 0.5 + SLACK, took
+        assert isinstance(results[0][1], ServerUnavailable) and results[0][0] < 0.5 + SLACK
 
 
 # ======================================================= 2. local validation
