@@ -59,14 +59,17 @@ class ControlPlane:
 
     # ------------------------------------------------------------------ lookup
     def submit_lookup_async(self, key: CacheKey, tp_size: int = 1, *,
-                            timeout: float | None = None) -> ReplyFuture[None]:
+                            timeout: float | None = None,
+                            mla: bool = False) -> ReplyFuture[None]:
         """Send LOOKUP for the whole of ``key.token_ids`` (all ranks) and wait for its
         acknowledgement. The server read-locks every prefix chunk it finds and records a
         job under ``key.request_id``; collect the count with :meth:`query_prefetch_status`
         or :meth:`wait_prefetch_status`. Locks stay until a RETRIEVE or
         :meth:`free_lookup_locks` releases them (or a 300 s TTL). ``tp_size`` adds
-        readers for MLA; send the same value to free_lookup_locks."""
-        return self._conn.request("LOOKUP", self._all_ranks(key, tp_size, timeout), timeout)
+        readers for MLA; send the same value to free_lookup_locks (``mla``: a pure-MLA
+        cache, every one of the ``tp_size`` ranks reads each chunk, see ``kv_readers``)."""
+        return self._conn.request("LOOKUP", self._all_ranks(key, tp_size, timeout, mla),
+                                  timeout)
 
     submit_lookup = blocking(submit_lookup_async)
 
@@ -106,11 +109,12 @@ class ControlPlane:
     lookup = blocking(lookup_async)
 
     def free_lookup_locks_async(self, key: CacheKey, tp_size: int = 1, *,
-                                timeout: float | None = None) -> ReplyFuture[None]:
+                                timeout: float | None = None,
+                                mla: bool = False) -> ReplyFuture[None]:
         """Release the read locks a LOOKUP took on chunks in ``[key.start, key.end)``
-        that will not be retrieved (all ranks). Use the LOOKUP's ``tp_size``."""
-        return self._conn.request("FREE_LOOKUP_LOCKS", self._all_ranks(key, tp_size, timeout),
-                                  timeout)
+        that will not be retrieved (all ranks). Use the LOOKUP's ``tp_size`` and ``mla``."""
+        return self._conn.request("FREE_LOOKUP_LOCKS",
+                                  self._all_ranks(key, tp_size, timeout, mla), timeout)
 
     free_lookup_locks = blocking(free_lookup_locks_async)
 
@@ -169,11 +173,12 @@ class ControlPlane:
                 self.free_lookup_locks(key.with_range(0, hits * chunk), tp_size)
             time.sleep(poll_s)
 
-    def _all_ranks(self, key: CacheKey, tp_size: int, timeout: float | None) -> tuple[Any, int]:
+    def _all_ranks(self, key: CacheKey, tp_size: int, timeout: float | None,
+                   mla: bool = False) -> tuple[Any, int]:
         if not isinstance(key, CacheKey):
             raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
-        return self._conn.profile_for(self._conn.seconds(timeout)).all_ranks_payloads(key,
-                                                                                        tp_size)
+        return self._conn.profile_for(self._conn.seconds(timeout)).all_ranks_payloads(
+            key, tp_size, bool(mla))
 
 
 def _record(r: Any) -> BlockAllocationRecord:

@@ -35,6 +35,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 NUM_LAYERS, KV_HEADS, HEADS, HEAD_DIM, VOCAB = 2, 2, 4, 16, 1000
+KV_LORA_RANK, QK_ROPE_DIM = 16, 8
+MLA_HEAD = KV_LORA_RANK + QK_ROPE_DIM
 OURS = ("LMCacheMPConnector", "lmcache_mp.integrations.vllm")
 LMCACHE = ("LMCacheMPConnector", "lmcache.integration.vllm.lmcache_mp_connector")
 
@@ -57,8 +59,38 @@ def model_dir() -> str:
     return path
 
 
-def pattern(rank: int, layer: int, tokens: torch.Tensor, positions: torch.Tensor
-            ) -> torch.Tensor:
+def mla_model_dir() -> str:
+    """A directory holding only a tiny DeepSeek-V2 config.json: vLLM's ModelConfig
+    reads it offline with ``use_mla`` True and head size ``MLA_HEAD``."""
+    path = os.path.join(tempfile.gettempdir(), "lmcache_mp_vllm_tiny_deepseek_v2")
+    os.makedirs(path, exist_ok=True)
+    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+           "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
+           "num_key_value_heads": HEADS, "num_hidden_layers": NUM_LAYERS,
+           "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 4,
+           "num_experts_per_tok": 2, "n_shared_experts": 1,
+           "first_k_dense_replace": NUM_LAYERS, "vocab_size": VOCAB,
+           "max_position_embeddings": 4096, "torch_dtype": "float16", "rms_norm_eps": 1e-5,
+           "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None,
+           "qk_rope_head_dim": QK_ROPE_DIM, "qk_nope_head_dim": 16, "v_head_dim": 16}
+    target = os.path.join(path, "config.json")
+    if not os.path.exists(target):
+        with open(target + ".tmp", "w") as f:
+            json.dump(cfg, f)
+        os.replace(target + ".tmp", target)
+    return path
+
+
+def pattern(rank: int, layer: int, tokens: torch.Tensor, positions: torch.Tensor,
+            mla: bool = False) -> torch.Tensor:
+    """KV values for tokens at positions: [2, n, KV_HEADS, HEAD_DIM] float16, exact
+    small multiples of 1/8 (no rounding), different per rank, layer, plane, head, dim.
+    ``mla``: [n, MLA_HEAD], the same on every rank (replicated over TP)."""
+    if mla:
+        d = torch.arange(MLA_HEAD).view(1, MLA_HEAD)
+        t, p = tokens.view(-1, 1), positions.view(-1, 1)
+        v = (t * 31 + p * 7 + layer * 13 + d * 5) % 997
+        return (v.to(torch.float32) / 8).to(torch.float16)
     """KV values for tokens at positions: [2, n, KV_HEADS, HEAD_DIM] float16, exact
     small multiples of 1/8 (no rounding), different per rank, layer, plane, head, dim."""
     kv = torch.arange(2).view(2, 1, 1, 1)
@@ -82,7 +114,7 @@ class Engine:
 
     def __init__(self, connector: tuple[str, str], extra: dict[str, Any], *, tp: int = 1,
                  num_blocks: int = 96, block_size: int = 16, model: str | None = None,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, mla: bool = False) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -103,12 +135,15 @@ class Engine:
             KVCacheConfig,
             KVCacheGroupSpec,
             KVCacheTensor,
+            MLAAttentionSpec,
         )
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.block_size, self.num_blocks, self.tp = block_size, num_blocks, tp
-        model_cfg = ModelConfig(model=model or model_dir(), skip_tokenizer_init=True,
-                                dtype="float16", max_model_len=2048)
+        self.mla = mla
+        model_cfg = ModelConfig(model=model or (mla_model_dir() if mla else model_dir()),
+                                skip_tokenizer_init=True, dtype="float16", max_model_len=2048)
+        assert model_cfg.use_mla == mla, f"vLLM's use_mla is {model_cfg.use_mla}"
         kv_cfg = KVTransferConfig(kv_connector=connector[0],
                                   kv_connector_module_path=connector[1], kv_role="kv_both",
                                   kv_connector_extra_config=extra,
@@ -123,8 +158,10 @@ class Engine:
             kv_transfer_config=kv_cfg,
         )
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS,
-                                 head_size=HEAD_DIM, dtype=torch.float16)
+        spec = (MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=MLA_HEAD,
+                                 dtype=torch.float16) if mla else
+                FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS,
+                                  head_size=HEAD_DIM, dtype=torch.float16))
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks,
             kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * num_blocks,
@@ -154,8 +191,9 @@ class Engine:
                         config=cfg, role=KVConnectorRole.WORKER,
                         kv_cache_config=self.kv_cache_config)
                 # Layer tensors as views into one allocation, as vLLM may hand them over.
-                backing = torch.zeros(NUM_LAYERS, 2, num_blocks, block_size, KV_HEADS,
-                                      HEAD_DIM, dtype=torch.float16)
+                shape = ((num_blocks, block_size, MLA_HEAD) if mla else
+                         (2, num_blocks, block_size, KV_HEADS, HEAD_DIM))
+                backing = torch.zeros(NUM_LAYERS, *shape, dtype=torch.float16)
                 caches = {n: backing[i] for i, n in enumerate(layer_names)}
                 w.register_kv_caches(caches)
                 self.workers.append(w)
@@ -275,7 +313,10 @@ class Engine:
             slots_o = pos % bs
             for li, name in enumerate(self.layer_names):
                 layer = self.kv[rank][name]
-                layer[:, slots_b, slots_o] = pattern(rank, li, tok, pos)
+                if self.mla:
+                    layer[slots_b, slots_o] = pattern(rank, li, tok, pos, mla=True)
+                else:
+                    layer[:, slots_b, slots_o] = pattern(rank, li, tok, pos)
 
     def _check(self, rank: int, blocks: list[int], tokens: list[int], upto: int) -> bool:
         pos = torch.arange(0, upto)
@@ -284,8 +325,9 @@ class Engine:
         slots_b = torch.tensor([blocks[p // bs] for p in pos.tolist()])
         slots_o = pos % bs
         for li, name in enumerate(self.layer_names):
-            got = self.kv[rank][name][:, slots_b, slots_o]
-            if not torch.equal(got, pattern(rank, li, tok, pos)):
+            layer = self.kv[rank][name]
+            got = layer[slots_b, slots_o] if self.mla else layer[:, slots_b, slots_o]
+            if not torch.equal(got, pattern(rank, li, tok, pos, mla=self.mla)):
                 return False
         return True
 
@@ -318,11 +360,11 @@ def main(spec_path: str) -> None:
     """Run one scripted engine from a JSON spec and print its result as one JSON line.
 
     Spec: ``connector`` ("ours" | "lmcache"), ``extra`` (kv_connector_extra_config),
-    ``tp``, ``phases``: a list of ``{"requests": [{"id", "prompt", "salt"?}], "on_step":
-    {"N": [argv...]}, "on_retrieve": [argv...]}`` run one after the other on the same
-    engine (``on_step`` runs a command after step N of the phase, ``on_retrieve`` when a
-    step first orders a RETRIEVE, before the workers run: e.g. to stop the server
-    between lookup and load).
+    ``tp``, ``mla`` (the tiny DeepSeek-V2 engine), ``phases``: a list of ``{"requests":
+    [{"id", "prompt", "salt"?}], "on_step": {"N": [argv...]}, "on_retrieve": [argv...]}``
+    run one after the other on the same engine (``on_step`` runs a command after step N
+    of the phase, ``on_retrieve`` when a step first orders a RETRIEVE, before the
+    workers run: e.g. to stop the server between lookup and load).
     """
     import subprocess
     import time
@@ -330,7 +372,7 @@ def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     which = LMCACHE if spec["connector"] == "lmcache" else OURS
-    eng = Engine(which, spec["extra"], tp=spec.get("tp", 1))
+    eng = Engine(which, spec["extra"], tp=spec.get("tp", 1), mla=spec.get("mla", False))
     out: dict[str, Any] = {"requests": {}, "phase_seconds": []}
     try:
         for phase in spec["phases"]:

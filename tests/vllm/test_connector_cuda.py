@@ -185,3 +185,28 @@ def test_memory_cuda_ipc_cannot_share_goes_engine_driven(
             want = layers[layer][kv][ids].reshape(CHUNK, NH * HD)  # tokens in block order
             assert pool[kv, layer].tobytes() == want.tobytes()
     w.shutdown()
+
+
+def test_wrap_layers_mla_cuda_registers_and_stores(server: FakeServer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # DeepSeek-style MLA layers: [num_blocks, block_size, kv_lora_rank + rope dim], views
+    # into one allocation; wrapped in place as an MLA CudaKVCache (one latent plane).
+    CurrentStream(monkeypatch)
+    drv = FakeDriver()
+    head = 24
+    nbytes = NB * BS * head * 2
+    base = drv.add_alloc(L * nbytes, "malloc")
+    layers = [FakeTensor(base + i * nbytes, (NB, BS, head)) for i in range(L)]
+    cache = wrap_layers(layers, BS, driver=drv, mla=True)
+    assert isinstance(cache, CudaKVCache) and cache.geometry.mla
+    g = cache.geometry
+    assert (g.num_layers, g.num_blocks, g.block_size, g.num_heads, g.head_dim) == (
+        L, NB, BS, 1, head)
+    with pytest.raises(InvalidArgument, match="MLA model's per-layer KV tensors"):
+        wrap_layers(vllm_layers(drv), BS, driver=drv, mla=True)
+    with pytest.raises(InvalidArgument, match="does not say use_mla"):
+        wrap_layers(layers, BS, driver=drv)
+    w = worker_for(server, cache)
+    w.start_stores(StepOps([op("STORE")]))
+    assert collect(w, {"r"}) == ({"r"}, set()) and w.stats["stored"] == 1
+    w.shutdown()

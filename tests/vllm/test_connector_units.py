@@ -40,6 +40,8 @@ class FakeClient:
         self.healthy = True
         self.ack = Future(None)
         self.answers: list[Any] = []
+        self.lookup_kw: list[tuple[int, bool]] = []
+        self.free_kw: list[tuple[int, bool]] = []
 
     def noop(self, timeout: float) -> str:
         if self.down:
@@ -49,7 +51,9 @@ class FakeClient:
     def chunk_size(self, timeout: float) -> int:
         return CHUNK
 
-    def submit_lookup_async(self, key: Any, tp: int, timeout: float) -> Future:
+    def submit_lookup_async(self, key: Any, tp: int, timeout: float,
+                            mla: bool = False) -> Future:
+        self.lookup_kw.append((tp, mla))
         self.calls.append(("LOOKUP", key.start, key.end, key.cache_salt, key.world_size))
         return self.ack
 
@@ -57,7 +61,9 @@ class FakeClient:
         self.calls.append(("QUERY", rid))
         return self.answers.pop(0) if self.answers else Future(self.hits)
 
-    def free_lookup_locks_async(self, key: Any, tp: int, timeout: float) -> Future:
+    def free_lookup_locks_async(self, key: Any, tp: int, timeout: float,
+                                mla: bool = False) -> Future:
+        self.free_kw.append((tp, mla))
         self.calls.append(("FREE", key.start, key.end))
         return Future(None)
 
@@ -376,3 +382,86 @@ def test_rank_placement_is_lmcaches() -> None:
         ("tcp://a:1", 2, 0), ("tcp://a:1", 2, 1), ("tcp://b:2", 2, 0), ("tcp://b:2", 2, 1)]
     with pytest.raises(InvalidArgument):
         placement(urls, 3, 0)
+
+
+# -------------------------------------------------------------------------- MLA
+def test_mla_detection_is_lmcaches_mla_only() -> None:
+    from lmcache_mp.integrations.vllm.kv_caches import mla_only
+
+    assert mla_only(SimpleNamespace(use_mla=True, is_hybrid=False))
+    assert not mla_only(SimpleNamespace(use_mla=False, is_hybrid=False))
+    assert not mla_only(SimpleNamespace())               # no attribute: not MLA
+    assert not mla_only(SimpleNamespace(use_mla="yes"))  # LMCache: a bool only
+    with pytest.raises(InvalidArgument, match="hybrid"):
+        mla_only(SimpleNamespace(use_mla=True, is_hybrid=True))
+
+
+def test_mla_cpu_layers_are_wrapped_in_place() -> None:
+    import torch
+
+    from lmcache_mp.integrations.vllm.kv_caches import wrap_layers
+
+    backing = torch.zeros(2, 10, BS, 24, dtype=torch.float16)
+    cache = wrap_layers(list(backing), BS, "engine", mla=True)
+    g = cache.geometry
+    assert g.mla and (g.num_layers, g.num_blocks, g.block_size, g.num_heads, g.head_dim) == (
+        2, 10, BS, 1, 24)
+    assert g.kv_planes == 1
+    backing[1, 3, 5] = 7.0  # the cache reads vLLM's memory, not a copy
+    assert float(cache.torch_layers[1][3, 5, 0]) == 7.0  # type: ignore[attr-defined]
+    with pytest.raises(InvalidArgument, match="does not say use_mla"):
+        wrap_layers(list(backing), BS, "engine")
+    with pytest.raises(InvalidArgument, match="MLA model's per-layer KV tensors"):
+        wrap_layers(list(torch.zeros(2, 2, 10, BS, 1, 24)), BS, mla=True)
+    with pytest.raises(InvalidArgument, match="MLA model's per-layer KV tensors"):
+        wrap_layers(list(backing), 8, mla=True)  # block size on the wrong axis
+    with pytest.raises(InvalidArgument, match="'lmcache_driven' needs memory"):
+        wrap_layers(list(backing), BS, "lmcache", mla=True)
+
+
+def test_mla_rank_placement_is_lmcaches() -> None:
+    # LMCache's ParallelStrategy (0.5.3: world // tp, rank // tp; 0.5.6+: pp stages x
+    # dcp shards): MLA KV is split by pipeline stage only; the first TP rank per server
+    # stores.
+    def rows(urls: list[str], world: int, tp: int) -> list[tuple[str, int, int, bool]]:
+        return [(p.url, p.kv_world_size, p.kv_worker_id, p.writer)
+                for p in (placement(urls, world, r, mla=True, tp_size=tp)
+                          for r in range(world))]
+
+    assert rows(["a"], 1, 1) == [("a", 1, 0, True)]
+    assert rows(["a"], 2, 2) == [("a", 1, 0, True), ("a", 1, 0, False)]
+    # Two servers, TP 4: each server's first rank stores, all keys world 1 / rank 0.
+    assert rows(["a", "b"], 4, 4) == [("a", 1, 0, True), ("a", 1, 0, False),
+                                      ("b", 1, 0, True), ("b", 1, 0, False)]
+    # PP 2 x TP 2 on one server: a stage is a KV shard.
+    assert rows(["a"], 4, 2) == [("a", 2, 0, True), ("a", 2, 0, False),
+                                 ("a", 2, 1, True), ("a", 2, 1, False)]
+    assert placement(["a"], 2, 1, tp_size=2).writer  # not MLA: every rank stores
+    with pytest.raises(InvalidArgument, match="MLA"):
+        placement(["a", "b", "c"], 3, 0, mla=True, tp_size=1)
+
+
+def test_mla_non_writer_rank_loads_but_never_stores() -> None:
+    reg, client = FakeReg(), FakeClient()
+    client.close = lambda: None  # type: ignore[attr-defined]
+    w = WorkerSide(ConnectorConfig(), client, placement(["tcp://h:1"], 2, 1, mla=True,
+                                                        tp_size=2), "m")
+    w.set_registration(lambda: reg, BS)
+    w.start_stores(StepOps([op("STORE")]))
+    assert reg.sent == [] and w.stats["skipped_stores"] == 0
+    assert w.get_finished({"r"}) == ({"r"}, set())  # nothing to wait for
+    w.start_loads(StepOps([op("RETRIEVE", "x")]))
+    ((name, key, _),) = reg.sent
+    assert (name, key.world_size, key.worker_id) == ("RETRIEVE", 1, 0)
+
+
+def test_mla_lookups_declare_every_tp_rank_a_reader() -> None:
+    c = FakeClient(hits=2)
+    cfg = ConnectorConfig(server_urls=("tcp://h:1",))
+    s = SchedulerSide(cfg, {"tcp://h:1": c}, model_name="m", kv_world_size=1,
+                      block_size=BS, lookup_tp_size=2, mla=True, start_health=False)
+    r = request(3 * CHUNK)
+    # vLLM's prefix cache covers the hit: the LOOKUP's locks are freed, same readers.
+    assert s.get_num_new_matched_tokens(r, 2 * CHUNK) == (0, False)
+    s.update_state_after_alloc(r, list(range(1, 13)), 0)
+    assert c.lookup_kw == [(2, True)] and c.free_kw == [(2, True)]

@@ -153,10 +153,10 @@ def engine_env() -> dict[str, str]:
 
 def run_engine(tmp_path: Path, connector: str, urls: list[str], phases: list[dict[str, Any]],
                *, tp: int = 1, extra: dict[str, Any] | None = None,
-               timeout: float = 240) -> dict[str, Any]:
+               timeout: float = 240, mla: bool = False) -> dict[str, Any]:
     """One engine process on a fresh spec. Forked from a per-connector ``zygote.py``
     (vLLM already imported) unless LMCACHE_MP_VLLM_ZYGOTE=0, then a fresh interpreter."""
-    spec = {"connector": connector, "tp": tp, "phases": phases,
+    spec = {"connector": connector, "tp": tp, "mla": mla, "phases": phases,
             "extra": {"lmcache.mp.server_urls": urls, **(extra or {})}}
     path = tmp_path / f"spec-{random.getrandbits(32)}.json"
     path.write_text(json.dumps(spec))
@@ -252,6 +252,52 @@ def test_tensor_parallel_two_ranks(server: LiveServer, tmp_path: Path) -> None:
     # A TP=1 engine has another world size: another cache entry.
     c = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("v", p)]}])
     assert loaded(c, "v") == 0
+
+
+def test_mla_store_then_fresh_engine_loads(server: LiveServer, tmp_path: Path) -> None:
+    # A tiny DeepSeek-V2 (use_mla): 3-D latent layers, one object plane on the server.
+    p = tokens(71, 3 * CHUNK + 11)
+    first = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("a", p)]}],
+                       mla=True)
+    assert loaded(first, "a") == 0 and first["stats"]["stored"] == 1
+    second = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("b", p)]}],
+                        mla=True)
+    assert loaded(second, "b") == 3 * CHUNK and second["stats"]["load_errors"] == 0
+
+
+def test_mla_tensor_parallel_two_ranks(server: LiveServer, tmp_path: Path) -> None:
+    p = tokens(72, 2 * CHUNK + 5)
+    a = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("t", p)]}], tp=2,
+                   mla=True)
+    # MLA's latent KV is replicated over TP: only rank 0 stores (LMCache's rule).
+    assert loaded(a, "t") == 0 and a["stats"]["stored"] == 1
+    b = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("u", p)]}], tp=2,
+                   mla=True)
+    # Both ranks read the one entry (two read locks per chunk), byte-exact on each.
+    assert loaded(b, "u") == 2 * CHUNK and b["stats"]["retrieved"] == 2
+    assert b["stats"]["load_errors"] == 0
+    # The key's world size is the pipeline-stage count (1) whatever the TP size: a TP=1
+    # engine hits the same entries.
+    c = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("v", p)]}], mla=True)
+    assert loaded(c, "v") == 2 * CHUNK
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mla_cross_with_lmcache_connector(server: LiveServer, tmp_path: Path,
+                                          tp: int) -> None:
+    # Every release's connector handles MLA on a CPU server (3-D latent layers have no
+    # NHD / HND question, the one 0.5.3 / 0.5.4's connector gets wrong for 5-D layers).
+    p1, p2 = tokens(81 + tp, 2 * CHUNK + 7), tokens(91 + tp, 3 * CHUNK)
+    a = run_engine(tmp_path, "lmcache", [server.url], [{"requests": [req("l1", p1, "s")]}],
+                   tp=tp, mla=True)
+    assert loaded(a, "l1") == 0
+    b = run_engine(tmp_path, "ours", [server.url], [
+        {"requests": [req("o1", p1, "s"), req("o2", p2, "s")]}], tp=tp, mla=True)
+    assert loaded(b, "o1") == 2 * CHUNK, "ours did not load what LMCache's connector stored"
+    assert loaded(b, "o2") == 0 and b["stats"]["stored"] == 1
+    c = run_engine(tmp_path, "lmcache", [server.url], [{"requests": [req("l2", p2, "s")]}],
+                   tp=tp, mla=True)
+    assert loaded(c, "l2") == 3 * CHUNK - 1, "LMCache's connector did not load what ours stored"
 
 
 @edge_only

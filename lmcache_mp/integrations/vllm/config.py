@@ -118,23 +118,37 @@ def _bool(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class RankPlacement:
-    """Where one worker's KV goes: its server, and its KV world size and rank there."""
+    """Where one worker's KV goes: its server, its KV world size and rank there, and
+    whether it stores (an MLA cache is stored by one TP rank per server)."""
 
     url: str
     kv_world_size: int
     kv_worker_id: int
+    writer: bool = True
 
 
-def placement(urls: Sequence[str], world_size: int, rank: int) -> RankPlacement:
+def placement(urls: Sequence[str], world_size: int, rank: int, *, mla: bool = False,
+              tp_size: int = 1) -> RankPlacement:
     """LMCache's rule: ranks are split into contiguous blocks, one per server; rank r
     uses ``urls[r // (world_size / n)]``, KV world size ``world_size / n``, KV rank
-    ``r % (world_size / n)``."""
+    ``r % (world_size / n)``. A pure-MLA cache (``mla``) is replicated over the TP
+    ranks, so its KV is split only by pipeline stage: KV world size ``world_size /
+    tp_size``, KV rank ``r // tp_size`` (every TP rank of a stage reads the same
+    entries), and only the first TP rank on each server stores (LMCache's
+    ``ParallelStrategy``)."""
     n = len(urls)
     if world_size % n:
         raise InvalidArgument(f"world size {world_size} is not a multiple of the "
                               f"{n} servers in {PREFIX}server_urls")
     per_server = world_size // n
-    return RankPlacement(urls[rank // per_server], per_server, rank % per_server)
+    url = urls[rank // per_server]
+    if not mla:
+        return RankPlacement(url, per_server, rank % per_server)
+    if tp_size < 1 or world_size % tp_size or tp_size % n:
+        raise InvalidArgument(f"MLA: tensor-parallel size {tp_size} must divide the world "
+                              f"size {world_size} and be a multiple of the {n} servers")
+    return RankPlacement(url, world_size // tp_size, rank // tp_size,
+                         writer=rank % (tp_size // n) == 0)
 
 
 def salt_usable(salt: str) -> bool:

@@ -6,6 +6,8 @@ Load it with ``--kv-transfer-config '{"kv_connector": "LMCacheMPConnector",
 5555}}'``. The scheduler role runs :class:`~.scheduler.SchedulerSide`, each worker a
 :class:`~.worker.WorkerSide`; this class only adapts vLLM's interface (0.32 and 0.33:
 0.33's sleep-mode hooks keep their defaults, i.e. sleep mode is not supported).
+MLA models (``model_config.use_mla``) follow LMCache's rules: see kv_caches.py and
+config.placement.
 The only module of lmcache_mp that imports vLLM.
 """
 
@@ -23,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...client import Client
 from ...errors import InvalidArgument
 from .config import ConnectorConfig, placement
-from .kv_caches import wrap_layers
+from .kv_caches import mla_only, wrap_layers
 from .ops import StepOps
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -63,6 +65,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                   "are refused (as by LMCache's connector)")
         self.block_size = int(vllm_config.cache_config.block_size)
         world, rank = int(pc.world_size), int(pc.rank)
+        tp = max(1, int(pc.tensor_parallel_size))
+        self.mla = mla_only(vllm_config.model_config)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         cfg = self.cfg
@@ -72,12 +76,13 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         if role == KVConnectorRole.SCHEDULER:
             clients: dict[str, Any] = {url: client(url) for url in cfg.server_urls}
+            kv_world = placement(cfg.server_urls, world, 0, mla=self.mla,
+                                 tp_size=tp).kv_world_size
             self.scheduler = SchedulerSide(
-                self.cfg, clients, model_name=self.model_name,
-                kv_world_size=world // n, lookup_tp_size=max(1, pc.tensor_parallel_size // n),
-                block_size=self.block_size)
+                self.cfg, clients, model_name=self.model_name, kv_world_size=kv_world,
+                lookup_tp_size=max(1, tp // n), block_size=self.block_size, mla=self.mla)
         else:
-            place = placement(self.cfg.server_urls, world, rank)
+            place = placement(self.cfg.server_urls, world, rank, mla=self.mla, tp_size=tp)
             self.worker = WorkerSide(self.cfg, client(place.url), place,
                                      self.model_name)
 
@@ -86,7 +91,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self.worker is not None
         # One group (no hybrid KV-cache groups): layers in vLLM's registration order.
         # CPU tensors: engine-driven only; CUDA tensors: either mode (kv_caches.py).
-        cache = wrap_layers(list(kv_caches.values()), self.block_size, self.cfg.mode)
+        cache = wrap_layers(list(kv_caches.values()), self.block_size, self.cfg.mode,
+                            mla=self.mla)
         worker = self.worker
 
         def register() -> Any:

@@ -68,7 +68,7 @@ class SchedulerSide:
 
     def __init__(self, cfg: ConnectorConfig, clients: dict[str, Any], *, model_name: str,
                  kv_world_size: int, block_size: int, lookup_tp_size: int = 1,
-                 start_health: bool = True) -> None:
+                 mla: bool = False, start_health: bool = True) -> None:
         self.cfg = cfg
         self.clients = clients
         self.model_name = model_name
@@ -76,6 +76,8 @@ class SchedulerSide:
         self.block_size = block_size
         # LOOKUP's tp_size (read locks per chunk), as LMCache sends it: TP size per server.
         self.lookup_tp_size = lookup_tp_size
+        #: A pure-MLA cache: every TP rank on a server reads each chunk (read locks).
+        self.mla = mla
         self.trackers: dict[str, Tracker] = {}
         self.chunk_size: int | None = None
         self.healthy = {url: False for url in clients}
@@ -188,7 +190,7 @@ class SchedulerSide:
             for url, client in self.clients.items():
                 t.lookups[url] = _Lookup(_try(functools.partial(
                     client.submit_lookup_async, key, self.lookup_tp_size,
-                    timeout=self.cfg.lookup_timeout)))
+                    timeout=self.cfg.lookup_timeout, mla=self.mla)))
         pending = False
         for url, lk in t.lookups.items():
             if lk.chunks is None:
@@ -235,7 +237,8 @@ class SchedulerSide:
         key = self._key(t, start, end)
         client = self.clients[url]
         self._send(lambda: client.free_lookup_locks_async(key, self.lookup_tp_size,
-                                                          timeout=self.cfg.lookup_timeout))
+                                                          timeout=self.cfg.lookup_timeout,
+                                                          mla=self.mla))
 
     def _send(self, submit: Callable[[], Any]) -> None:
         future = _try(submit)

@@ -113,6 +113,8 @@ class WorkerSide:
             self._loads.setdefault(op.request_id, []).append((future, op.block_ids))
 
     def start_stores(self, step: StepOps) -> None:
+        if not self.place.writer:
+            return  # MLA: another TP rank stores the same bytes (LMCache's rule)
         for op in step.stores():
             if not self._usable():
                 self.stats["skipped_stores"] += 1
