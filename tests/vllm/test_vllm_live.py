@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.live
 HARNESS = Path(__file__).with_name("harness.py")
 WITH_VLLM = Path(__file__).with_name("with_vllm.py")
 ZYGOTE = Path(__file__).with_name("zygote.py")
+SETTLE_S = 1.0  # after each forked engine, before the next one starts (see run_engine)
 VENV = Path(os.environ.get("LMCACHE_MP_VLLM_VENV", REPO / ".venv-vllm"))
 CHUNK = 256  # the servers' default chunk size
 # LMCache 0.5.3 / 0.5.4's connector cannot read vLLM 0.32's KV-cache layout (its layout
@@ -167,6 +169,9 @@ def run_engine(tmp_path: Path, connector: str, urls: list[str], phases: list[dic
             _zygotes[connector] = Zygote(argv, engine_env(),
                                          tmp_path / f"zygote-{connector}.log")
         rc, stdout, stderr = _zygotes[connector].run(path, timeout)
+        # LMCache publishes a STORE's chunks shortly after its reply (asynchronously):
+        # a fresh interpreter's ~9 s start used to hide that from the next engine.
+        time.sleep(SETTLE_S)
     else:
         try:
             proc = subprocess.run(engine_command(connector, HARNESS) + [str(path)],
