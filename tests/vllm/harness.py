@@ -42,37 +42,36 @@ LMCACHE = ("LMCacheMPConnector", "lmcache.integration.vllm.lmcache_mp_connector"
 
 
 def model_dir() -> str:
-    """A directory holding only a tiny Llama config.json (same path every run, so the
-    model name, part of the cache key, is the same for every engine)."""
-    path = os.path.join(tempfile.gettempdir(), "lmcache_mp_vllm_tiny_llama")
-    os.makedirs(path, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
-           "num_key_value_heads": KV_HEADS, "num_hidden_layers": NUM_LAYERS,
-           "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 4096,
-           "torch_dtype": "float16", "rms_norm_eps": 1e-5}
-    target = os.path.join(path, "config.json")
-    if not os.path.exists(target):
-        with open(target + ".tmp", "w") as f:
-            json.dump(cfg, f)
-        os.replace(target + ".tmp", target)
-    return path
+    """A directory holding only a tiny Llama config.json."""
+    return _config_dir("lmcache_mp_vllm_tiny_llama", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "num_hidden_layers": NUM_LAYERS,
+        "intermediate_size": 128, "vocab_size": VOCAB, "max_position_embeddings": 4096,
+        "torch_dtype": "float16", "rms_norm_eps": 1e-5})
 
 
 def mla_model_dir() -> str:
     """A directory holding only a tiny DeepSeek-V2 config.json: vLLM's ModelConfig
     reads it offline with ``use_mla`` True and head size ``MLA_HEAD``."""
-    path = os.path.join(tempfile.gettempdir(), "lmcache_mp_vllm_tiny_deepseek_v2")
+    return _config_dir("lmcache_mp_vllm_tiny_deepseek_v2", {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS, "num_hidden_layers": NUM_LAYERS,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": NUM_LAYERS, "vocab_size": VOCAB,
+        "max_position_embeddings": 4096, "torch_dtype": "float16", "rms_norm_eps": 1e-5,
+        "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None,
+        "qk_rope_head_dim": QK_ROPE_DIM, "qk_nope_head_dim": 16, "v_head_dim": 16})
+
+
+def _config_dir(name: str, cfg: dict[str, Any]) -> str:
+    """``<tmp>/name/config.json`` holding ``cfg``, written atomically once (the same
+    path every run, so the model name, part of the cache key, is the same for every
+    engine)."""
+    path = os.path.join(tempfile.gettempdir(), name)
     os.makedirs(path, exist_ok=True)
-    cfg = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-           "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
-           "num_key_value_heads": HEADS, "num_hidden_layers": NUM_LAYERS,
-           "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 4,
-           "num_experts_per_tok": 2, "n_shared_experts": 1,
-           "first_k_dense_replace": NUM_LAYERS, "vocab_size": VOCAB,
-           "max_position_embeddings": 4096, "torch_dtype": "float16", "rms_norm_eps": 1e-5,
-           "kv_lora_rank": KV_LORA_RANK, "q_lora_rank": None,
-           "qk_rope_head_dim": QK_ROPE_DIM, "qk_nope_head_dim": 16, "v_head_dim": 16}
     target = os.path.join(path, "config.json")
     if not os.path.exists(target):
         with open(target + ".tmp", "w") as f:
@@ -91,8 +90,6 @@ def pattern(rank: int, layer: int, tokens: torch.Tensor, positions: torch.Tensor
         t, p = tokens.view(-1, 1), positions.view(-1, 1)
         v = (t * 31 + p * 7 + layer * 13 + d * 5) % 997
         return (v.to(torch.float32) / 8).to(torch.float16)
-    """KV values for tokens at positions: [2, n, KV_HEADS, HEAD_DIM] float16, exact
-    small multiples of 1/8 (no rounding), different per rank, layer, plane, head, dim."""
     kv = torch.arange(2).view(2, 1, 1, 1)
     h = torch.arange(KV_HEADS).view(1, 1, KV_HEADS, 1)
     d = torch.arange(HEAD_DIM).view(1, 1, 1, HEAD_DIM)
