@@ -127,12 +127,12 @@ def _unmap(pool: mmap.mmap, view: np.ndarray) -> None:
 
 def slot_view(pool: Pool, slot: PoolSlot, g: KVGeometry, chunk_size: int) -> np.ndarray:
     """The chunk object in ``slot``, checked against what was registered."""
-    expect = ([g.num_layers, chunk_size, g.hidden_dim] if g.mla
+    expect = ([g.num_layers, chunk_size, g.hidden_dim] if g.kv_planes == 1
               else [2, g.num_layers, chunk_size, g.hidden_dim])
     nbytes = math.prod(expect) * g.itemsize
-    # MLA objects stored through REGISTER_KV_CACHE carry a leading kv_size of 1:
-    # same bytes, one more dimension.
-    shape_ok = slot.shape == expect or (g.mla and slot.shape == [1, *expect])
+    # One-plane objects (MLA, fused K/V) stored through REGISTER_KV_CACHE carry a
+    # leading kv_size of 1: same bytes, one more dimension.
+    shape_ok = slot.shape == expect or (g.kv_planes == 1 and slot.shape == [1, *expect])
     if not shape_ok or slot.dtype != g.dtype or slot.length != nbytes or slot.offset < 0 or (
         slot.offset + slot.length > pool.size
     ):

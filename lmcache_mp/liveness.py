@@ -206,7 +206,7 @@ _RESERVED: Registration = object()  # type: ignore[assignment]
 # caller sees only as a miss (False). The server cannot be asked, so this process
 # refuses it among the registrations it holds, per server URL and across clients.
 _LayoutKey = tuple[str, str, int]
-_Shape = tuple[int, int, int, str, bool]
+_Shape = tuple[int, int, int, str, bool, bool]
 _layouts: dict[_LayoutKey, tuple[_Shape, int]] = {}
 _layouts_lock = threading.Lock()
 
@@ -214,13 +214,14 @@ _layouts_lock = threading.Lock()
 def _object_shape(g: KVGeometry) -> _Shape:
     # What the server's chunk objects depend on; not the number of blocks, nor the
     # block size (caches of one model with other block sizes share chunk objects).
-    return (g.num_layers, g.num_heads, g.head_dim, g.dtype, g.mla)
+    return (g.num_layers, g.num_heads, g.head_dim, g.dtype, g.mla, g.fused)
 
 
 def _describe(shape: _Shape) -> str:
-    layers, heads, dim, dtype, mla = shape
+    layers, heads, dim, dtype, mla, fused = shape
     return (f"{layers} layers x {dim} {dtype} (MLA)" if mla
-            else f"{layers} layers x {heads} heads x {dim} {dtype}")
+            else f"{layers} layers x {heads} heads x {dim} {dtype}"
+            + (" (fused K/V rows)" if fused else ""))
 
 
 def _claim_layout(url: str, model_name: str, world_size: int, g: KVGeometry) -> _LayoutKey:

@@ -249,7 +249,10 @@ class Registration:
         return RegisterEngineDrivenContextPayload(
             instance_id=self.instance_id, model_name=self.model_name,
             world_size=self.world_size, block_size=g.block_size, num_layers=g.num_layers,
-            hidden_dim_size=g.hidden_dim, dtype_str=g.dtype, use_mla=g.mla)
+            hidden_dim_size=g.hidden_dim, dtype_str=g.dtype,
+            # "MLA" on the wire means one object plane: fused K/V rows too (as LMCache's
+            # connector registers them: use_mla = kv_size == 1).
+            use_mla=g.kv_planes == 1)
 
     def _bind_pool(self, info: RegisterEngineDrivenContextResponse, epoch: int,
                    deadline: float) -> Binding:

@@ -42,7 +42,8 @@ STORAGE_DTYPES: dict[str, tuple[str, int]] = {
 }
 
 #: The order of the head and token axes of a paged layer: HND ``[2, blocks, heads,
-#: block_size, head_dim]`` or NHD ``[2, blocks, block_size, heads, head_dim]``.
+#: block_size, head_dim]`` or NHD ``[2, blocks, block_size, heads, head_dim]`` (fused:
+#: the same without the leading 2).
 KVLayout = Literal["HND", "NHD"]
 
 
@@ -60,11 +61,37 @@ class KVGeometry:
     #: Axis order of the 5-D layers (ignored for MLA). Last, with a default, so the
     #: seven-field positional form keeps meaning HND.
     layout: KVLayout = "HND"
+    #: vLLM 0.32+'s fused K/V layers: ONE plane per layer, ``[num_blocks, num_heads,
+    #: block_size, head_dim]`` (HND; NHD ``[num_blocks, block_size, num_heads,
+    #: head_dim]``) where ``head_dim`` is the packed ``2 * head_size`` row, copied as
+    #: it is. The server's objects are then ``[layers, chunk, num_heads * head_dim]``,
+    #: as LMCache's own connector stores vLLM's fused layers (registered as one plane).
+    fused: bool = False
+    #: Elements from one block of a layer to the next, where that is not the block's
+    #: own size (0: dense layers). Fused layers only: vLLM's blocks-first layouts
+    #: (``BLHNC`` / ``BLNHC``) interleave every layer's block inside one page. Only
+    #: CUDA caches, which describe memory by pointers, use it (numpy views carry
+    #: their strides).
+    block_stride: int = 0
+
+    @property
+    def block_elems(self) -> int:
+        """Elements of one block of one layer (both planes)."""
+        return self.kv_planes * self.block_size * self.num_heads * self.head_dim
+
+    @property
+    def block_step(self) -> int:
+        """Elements from one block of a layer to the next (fused layers: first axis)."""
+        return self.block_stride or (self.block_size * self.num_heads * self.head_dim)
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
         if self.mla:
             return (self.num_blocks, self.block_size, self.head_dim)
+        if self.fused:
+            return ((self.num_blocks, self.block_size, self.num_heads, self.head_dim)
+                    if self.layout == "NHD" else
+                    (self.num_blocks, self.num_heads, self.block_size, self.head_dim))
         if self.layout == "NHD":
             return (2, self.num_blocks, self.block_size, self.num_heads, self.head_dim)
         return (2, self.num_blocks, self.num_heads, self.block_size, self.head_dim)
@@ -75,15 +102,23 @@ class KVGeometry:
 
     @property
     def layer_nbytes(self) -> int:
+        """Bytes a layer spans (a blocks-first layer: from its first block to the end
+        of its last)."""
+        if self.block_stride:
+            return ((self.num_blocks - 1) * self.block_stride + self.block_elems) \
+                * self.itemsize
         return math.prod(self.layer_shape) * self.itemsize
 
     @property
     def layer_strides(self) -> tuple[int, ...]:
-        """Contiguous strides in elements, as torch reports them."""
+        """Strides in elements, as torch reports them: contiguous, but for the block
+        axis of a blocks-first layer."""
         strides, acc = [], 1
         for d in reversed(self.layer_shape):
             strides.append(acc)
             acc *= d
+        if self.block_stride:
+            strides[-1] = self.block_stride
         return tuple(reversed(strides))
 
     @property
@@ -93,7 +128,8 @@ class KVGeometry:
 
     @property
     def kv_planes(self) -> int:
-        return 1 if self.mla else 2
+        """Planes of the server's objects: 2 (K, V), or 1 (MLA's latent, fused rows)."""
+        return 1 if self.mla or self.fused else 2
 
 
 @dataclass(frozen=True)
@@ -169,7 +205,8 @@ class ExportableKVCache(Protocol):
 
     @property
     def kv_layout(self) -> KVLayout | None:
-        """The layout of the 5-D layers (None for MLA, which has no head axis)."""
+        """The layout of the 5-D (or fused 4-D) layers (None for MLA, which has no
+        head axis)."""
         ...
 
     def export_layers(self) -> list[LayerExport]:

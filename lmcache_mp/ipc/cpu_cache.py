@@ -133,13 +133,19 @@ class CpuKVCache:
         layout: KVLayout = "HND",
         block_size: int | None = None,
         dtype: str | None = None,
+        fused: bool = False,
     ) -> CpuKVCache:
         """A cache over the caller's own host memory, without copying it: one array per
         layer, numpy arrays or CPU torch tensors, shaped ``[2, num_blocks, num_heads,
         block_size, head_dim]`` (``layout="HND"``) or ``[2, num_blocks, block_size,
         num_heads, head_dim]`` (``"NHD"``), or 3-D MLA layers ``[num_blocks,
-        block_size, head_dim]``. Any strides work (views into one allocation, permuted
-        views); contiguous layers copy fastest. ``block_size`` is checked against the
+        block_size, head_dim]``; with ``fused``, vLLM 0.32+'s 4-D fused K/V layers
+        ``[num_blocks, num_heads, block_size, 2 * head_size]`` (``"HND"``, vLLM's
+        logical order) or ``[num_blocks, block_size, num_heads, 2 * head_size]``
+        (``"NHD"``), one plane whose rows are copied as they are (see
+        :class:`~lmcache_mp.ipc.base.KVGeometry`). Any strides work (views into one
+        allocation, permuted views, blocks-first views); contiguous layers copy
+        fastest. ``block_size`` is checked against the
         shapes when given (it catches a wrong ``layout``); ``dtype`` is read from torch
         tensors, and needed for numpy arrays whose dtype is not a torch name (e.g.
         ``dtype="bfloat16"`` for uint16 bits).
@@ -150,7 +156,7 @@ class CpuKVCache:
         stays the caller's."""
         from .host_arrays import host_layers
 
-        geometry, views, tensors = host_layers(layers, layout, block_size, dtype)
+        geometry, views, tensors = host_layers(layers, layout, block_size, dtype, fused)
         return cls(geometry, [], views, tensors)
 
     # ------------------------------------------------------------------ views
@@ -220,7 +226,7 @@ class CpuKVCache:
     def block_bytes(self, layer: int, block: int) -> bytes:
         """All bytes of one block of one layer (K and V), for checks and tests."""
         arr = self.layers[layer]
-        return (arr[block] if self.geometry.mla else arr[:, block]).tobytes()
+        return (arr[block] if self.geometry.kv_planes == 1 else arr[:, block]).tobytes()
 
     # -------------------------------------------------------------- lifetime
     def unlink(self) -> None:
@@ -244,6 +250,6 @@ class CpuKVCache:
     def __repr__(self) -> str:
         g = self.geometry
         state = "closed" if self.closed else "open"
-        kind = " MLA" if g.mla else f" {g.layout}"
+        kind = " MLA" if g.mla else f" {g.layout}" + (" fused" if g.fused else "")
         return (f"<CpuKVCache{' (wrapped)' if self.wrapped else ''} {g.num_layers} x "
                 f"{g.layer_shape} {g.dtype}{kind} {state}>")

@@ -64,7 +64,8 @@ def _from_numpy(a: np.ndarray, dtype: str | None, index: int) -> tuple[np.ndarra
 
 
 def host_layers(
-    layers: Sequence[Any], layout: KVLayout, block_size: int | None, dtype: str | None
+    layers: Sequence[Any], layout: KVLayout, block_size: int | None, dtype: str | None,
+    fused: bool = False,
 ) -> tuple[KVGeometry, list[np.ndarray], list[Any] | None]:
     """The geometry of ``layers``, numpy views of them (storage dtype, same memory), and
     the torch tensors as given when they were tensors (else None)."""
@@ -98,19 +99,30 @@ def host_layers(
         raise InvalidArgument(f"all layers must have one shape and dtype, got shapes "
                               f"{sorted(shapes)} and dtypes {sorted(names)}")
     shape, name = shapes.pop(), names.pop()
-    geometry = _geometry(shape, layout, name, len(views))
+    geometry = _geometry(shape, layout, name, len(views), fused)
     if block_size is not None and block_size != geometry.block_size:
+        lead = "" if fused else "2, "
         raise InvalidArgument(
             f"layers shaped {shape} read as {layout} have {geometry.block_size} tokens per "
-            f"block, not block_size={block_size}: is the layout right? HND is [2, blocks, "
-            f"heads, block_size, head_dim], NHD [2, blocks, block_size, heads, head_dim]")
+            f"block, not block_size={block_size}: is the layout right? HND is [{lead}"
+            f"blocks, heads, block_size, head_dim], NHD [{lead}blocks, block_size, heads, "
+            f"head_dim]")
     return geometry, views, list(layers) if all(tensors) else None
 
 
 def _geometry(shape: tuple[int, ...], layout: KVLayout, dtype: str,
-              num_layers: int) -> KVGeometry:
+              num_layers: int, fused: bool) -> KVGeometry:
     if any(d <= 0 for d in shape):
         raise InvalidArgument(f"layers shaped {shape} are empty")
+    if fused:
+        if len(shape) != 4:
+            raise InvalidArgument(
+                f"fused K/V layers shaped {shape}: expected 4-D [num_blocks, heads, "
+                f"block_size, 2 * head_size] (HND) or [num_blocks, block_size, heads, "
+                f"2 * head_size] (NHD)")
+        nb, a, b, row = shape
+        heads, bs = (a, b) if layout == "HND" else (b, a)
+        return KVGeometry(num_layers, nb, bs, heads, row, dtype, False, layout, True)
     if len(shape) == 3:  # MLA: [num_blocks, block_size, head_dim], no head axis to order
         return KVGeometry(num_layers, shape[0], shape[1], 1, shape[2], dtype, True)
     if len(shape) != 5 or shape[0] != 2:

@@ -2,11 +2,13 @@
 independent, GIL-releasing numpy copies (run by :mod:`.copy_workers` on several cores).
 
 A chunk object (what the server stores, and what an engine-driven SHM slot holds) is
-``[2, num_layers, chunk_tokens, num_heads * head_dim]`` token-major (MLA:
-``[num_layers, chunk_tokens, head_dim]``). A paged NHD layer ``[2, num_blocks,
+``[2, num_layers, chunk_tokens, num_heads * head_dim]`` token-major (one plane, MLA:
+``[num_layers, chunk_tokens, head_dim]``, fused K/V rows: ``[num_layers,
+chunk_tokens, num_heads * head_dim]``). A paged NHD layer ``[2, num_blocks,
 block_size, num_heads, head_dim]`` is token-major already: a run of consecutive
 blocks is one contiguous run of the chunk. An HND layer ``[2, num_blocks, num_heads,
 block_size, head_dim]`` is the per-block transpose (runs of ``head_dim`` elements).
+Fused layers are the same without the leading K/V axis.
 
 One task per (chunk, layer), about a MiB each: the unit the workers share out.
 Consecutive block ids are copied as slices (no temporaries); a task with many runs
@@ -48,23 +50,26 @@ def block_runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
 
 def _chunk_view(obj: np.ndarray, layer: int, g: KVGeometry, nblocks: int) -> np.ndarray:
     """One layer of a chunk object, shaped like the blocks it holds (token-major)."""
-    view: np.ndarray = obj[layer] if g.mla else obj[:, layer]
+    view: np.ndarray = obj[layer] if g.kv_planes == 1 else obj[:, layer]
     view = view.view()
     # Assigning .shape (unlike reshape) raises instead of silently copying, so writes
     # through this view always land in the chunk object.
-    view.shape = ((nblocks, g.block_size, g.head_dim) if g.mla
-                  else (2, nblocks, g.block_size, g.num_heads, g.head_dim))
+    tokens = (nblocks, g.block_size, g.head_dim) if g.mla else (
+        nblocks, g.block_size, g.num_heads, g.head_dim)
+    view.shape = tokens if g.kv_planes == 1 else (2, *tokens)
     return view
 
 
 def _paged_view(layer: np.ndarray, g: KVGeometry) -> np.ndarray:
     """A paged layer with tokens before heads, matching ``_chunk_view`` (a view)."""
-    return layer if g.mla or g.layout == "NHD" else layer.transpose(0, 1, 3, 2, 4)
+    if g.mla or g.layout == "NHD":
+        return layer
+    return layer.transpose(0, 2, 1, 3) if g.fused else layer.transpose(0, 1, 3, 2, 4)
 
 
 def _planes(arr: np.ndarray, g: KVGeometry) -> list[np.ndarray]:
-    """The K and V planes (MLA: the one plane), blocks first."""
-    return [arr] if g.mla else [arr[0], arr[1]]
+    """The K and V planes (MLA, fused: the one plane), blocks first."""
+    return [arr] if g.kv_planes == 1 else [arr[0], arr[1]]
 
 
 def gather_tasks(layers: Sequence[np.ndarray], ids: np.ndarray, out: np.ndarray,
@@ -77,7 +82,7 @@ def gather_tasks(layers: Sequence[np.ndarray], ids: np.ndarray, out: np.ndarray,
         src = _paged_view(layer, g)
         if len(runs) <= _MAX_SLICE_RUNS:
             for pos, first, n in runs:
-                if g.mla:
+                if g.kv_planes == 1:
                     tasks.append((_SLICE, dst[pos : pos + n], src[first : first + n], None))
                 else:
                     tasks.append((_SLICE, dst[:, pos : pos + n], src[:, first : first + n],
@@ -104,10 +109,10 @@ def scatter_tasks(obj: np.ndarray, layers: Sequence[np.ndarray], ids: np.ndarray
     for li, layer in enumerate(layers):
         src = _chunk_view(obj, li, g, len(ids))
         dst = _paged_view(layer, g)
-        src = src[skip_blocks:] if g.mla else src[:, skip_blocks:]
+        src = src[skip_blocks:] if g.kv_planes == 1 else src[:, skip_blocks:]
         if len(runs) <= _MAX_SLICE_RUNS:
             for pos, first, n in runs:
-                if g.mla:
+                if g.kv_planes == 1:
                     tasks.append((_SLICE, dst[first : first + n], src[pos : pos + n], None))
                 else:
                     tasks.append((_SLICE, dst[:, first : first + n], src[:, pos : pos + n],

@@ -3,11 +3,17 @@
 Real: ``VllmConfig`` (a local tiny Llama config, no weights, no tokenizer),
 ``Scheduler``, ``Request`` with vLLM's block hasher, the connector built by
 ``KVConnectorFactory`` for both roles, ``KVConnectorModelRunnerMixin``'s per-step
-wiring, ``KVOutputAggregator`` over the ranks, ``update_from_output``. Faked: the
-forward pass (it writes a token-derived pattern into the KV blocks it computes) and
+wiring, ``KVOutputAggregator`` over the ranks, ``update_from_output``, and the KV
+caches: the layout resolved by vLLM's ``resolve_kv_cache_layout`` from an attention
+backend's declared layouts (``VLLM_KV_CACHE_LAYOUT`` honoured, as in vLLM), the
+``KVCacheConfig`` from vLLM's ``get_kv_cache_configs`` and the tensors from vLLM's
+``allocate_kv_cache``: one allocation per rank, a 4-D ``[num_blocks, heads,
+block_size, 2 * head_size]`` view per layer in that physical layout (MLA: one head,
+the latent width). Faked: the model (no weights, no attention layers), the forward pass (it writes a
+token-derived pattern into the KV blocks it computes, through the backend's own view
+of the cache: CPU_ATTN splits each block's rows, FLASH_ATTN the content axis) and
 sampling (a fixed next token). The scheduler output is pickled on its way to the
-workers, as between processes. One KV tensor per layer per rank, NHD
-``[2, num_blocks, block_size, kv_heads, head_dim]`` float16, as vLLM allocates them.
+workers, as between processes.
 
 When a request is first scheduled with ``c`` tokens already computed (vLLM's own
 prefix cache, or a connector load), positions ``[0, c)`` of its blocks are checked
@@ -81,8 +87,8 @@ def _config_dir(name: str, cfg: dict[str, Any]) -> str:
 
 
 def pattern(rank: int, layer: int, tokens: torch.Tensor, positions: torch.Tensor,
-            mla: bool = False) -> torch.Tensor:
-    """KV values for tokens at positions: [2, n, KV_HEADS, HEAD_DIM] float16, exact
+            mla: bool = False, heads: int = KV_HEADS) -> torch.Tensor:
+    """KV values for tokens at positions: [2, n, heads, HEAD_DIM] float16, exact
     small multiples of 1/8 (no rounding), different per rank, layer, plane, head, dim.
     ``mla``: [n, MLA_HEAD], the same on every rank (replicated over TP)."""
     if mla:
@@ -91,7 +97,7 @@ def pattern(rank: int, layer: int, tokens: torch.Tensor, positions: torch.Tensor
         v = (t * 31 + p * 7 + layer * 13 + d * 5) % 997
         return (v.to(torch.float32) / 8).to(torch.float16)
     kv = torch.arange(2).view(2, 1, 1, 1)
-    h = torch.arange(KV_HEADS).view(1, 1, KV_HEADS, 1)
+    h = torch.arange(heads).view(1, 1, heads, 1)
     d = torch.arange(HEAD_DIM).view(1, 1, 1, HEAD_DIM)
     t = tokens.view(1, -1, 1, 1)
     p = positions.view(1, -1, 1, 1)
@@ -106,12 +112,42 @@ class RequestResult:
     verified: bool = True
 
 
+def _backend_class(name: str) -> Any:
+    """vLLM's own attention backend class called ``name``."""
+    if name == "CPU_ATTN":
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return CPUAttentionBackend
+    if name == "FLASH_ATTN":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        return FlashAttentionBackend
+    raise ValueError(f"no such backend in the harness: {name}")
+
+
+def backend_planes(backend: str, kv: torch.Tensor, mla: bool) -> list[torch.Tensor]:
+    """The K and V planes of one layer's 4-D cache as the backend itself reads them
+    (vLLM 0.32 ``v1/attention/backends/cpu_attn.py`` / ``flash_attn.py``), indexable
+    ``[block, slot]`` (CPU_ATTN: ``[block, :, slot]``); MLA: the one latent plane."""
+    if mla:
+        return [kv[:, 0]]  # [num_blocks, 1, block_size, latent]
+    nb, heads, bs, c = kv.shape
+    if backend == "CPU_ATTN":
+        return list(kv.view(nb, heads, 2 * bs, c // 2).chunk(2, dim=2))
+    return list(kv.transpose(1, 2).split(c // 2, dim=-1))
+
+
 class Engine:
-    """One vLLM engine: a scheduler and ``tp`` worker ranks, each with its KV tensors."""
+    """One vLLM engine: a scheduler and ``tp`` worker ranks, each with its KV tensors
+    from vLLM's allocator. ``backend``: the attention backend whose declared layouts
+    vLLM resolves and whose view of the cache the fake forward pass writes through
+    (CPU_ATTN, as vLLM's CPU engine; FLASH_ATTN, as a GPU engine); the layout can be
+    forced with ``VLLM_KV_CACHE_LAYOUT``, as in vLLM."""
 
     def __init__(self, connector: tuple[str, str], extra: dict[str, Any], *, tp: int = 1,
                  num_blocks: int = 96, block_size: int = 16, model: str | None = None,
-                 prefix_caching: bool = True, mla: bool = False) -> None:
+                 prefix_caching: bool = True, mla: bool = False,
+                 backend: str = "CPU_ATTN") -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -125,21 +161,17 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec,
-            KVCacheConfig,
-            KVCacheGroupSpec,
-            KVCacheTensor,
-            MLAAttentionSpec,
-        )
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
         from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import allocate_kv_cache
 
-        self.block_size, self.num_blocks, self.tp = block_size, num_blocks, tp
-        self.mla = mla
+        self.block_size, self.tp = block_size, tp
+        self.mla, self.backend = mla, backend
         model_cfg = ModelConfig(model=model or (mla_model_dir() if mla else model_dir()),
-                                skip_tokenizer_init=True, dtype="float16", max_model_len=2048)
+                                skip_tokenizer_init=True, dtype="float16", max_model_len=1024)
         assert model_cfg.use_mla == mla, f"vLLM's use_mla is {model_cfg.use_mla}"
         kv_cfg = KVTransferConfig(kv_connector=connector[0],
                                   kv_connector_module_path=connector[1], kv_role="kv_both",
@@ -147,30 +179,38 @@ class Engine:
                                   kv_load_failure_policy="recompute")
         self.config = VllmConfig(
             model_config=model_cfg,
-            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
+                                     num_gpu_blocks_override=num_blocks),
             scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048,
-                                             max_model_len=2048, is_encoder_decoder=False),
+                                             max_model_len=1024, is_encoder_decoder=False),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=kv_cfg,
         )
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+        # A rank holds its share of the KV heads (MLA's one latent head is replicated).
+        self.heads = 1 if mla else KV_HEADS // tp
         spec = (MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=MLA_HEAD,
                                  dtype=torch.float16) if mla else
-                FullAttentionSpec(block_size=block_size, num_kv_heads=KV_HEADS,
+                FullAttentionSpec(block_size=block_size, num_kv_heads=self.heads,
                                   head_size=HEAD_DIM, dtype=torch.float16))
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=spec.page_size_bytes * num_blocks,
-                                            layers=[n], layer_stride=0,
-                                            block_stride=spec.page_size_bytes)
-                              for n in layer_names],
-            kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)],
-        )
-        self.config.cache_config.num_gpu_blocks = num_blocks
-        # What the engine core resolves before profiling (vLLM's default layout).
-        self.config.cache_config.kv_cache_layout = "NHD"
-        self.kv_cache_config.kv_cache_layout = "NHD"
+        specs = {n: spec for n in layer_names}
+        backend_cls = _backend_class(backend)
+        declared = backend_cls.supported_kv_cache_layouts()
+        with set_current_vllm_config(self.config):
+            # What the engine core does before profiling: resolve one layout from what
+            # the workers' backends declare, then size the cache for every worker.
+            layout = resolve_kv_cache_layout(
+                self.config, [[x.name for x in declared]] if declared else
+                [["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]], list(specs.values()))
+            configs = get_kv_cache_configs(self.config, [specs] * tp,
+                                           [spec.page_size_bytes * num_blocks * NUM_LAYERS] * tp)
+        self.layout = layout.name
+        for c in configs:
+            c.kv_cache_layout = self.layout
+        self.kv_cache_config = configs[0]
+        self.num_blocks = self.kv_cache_config.num_blocks
+        self.config.cache_config.num_gpu_blocks = self.num_blocks
         init_none_hash(sha256)
         self.hasher_fn = sha256
         with set_current_vllm_config(self.config):
@@ -180,21 +220,21 @@ class Engine:
                 block_size=block_size, log_stats=False)
             self.workers: list[Any] = []
             self.kv: list[dict[str, torch.Tensor]] = []
+            self.planes: list[dict[str, list[torch.Tensor]]] = []
             for rank in range(tp):
                 cfg = copy.deepcopy(self.config)
                 cfg.parallel_config.rank = rank
                 with set_current_vllm_config(cfg):
                     w = KVConnectorFactory.create_connector(
                         config=cfg, role=KVConnectorRole.WORKER,
-                        kv_cache_config=self.kv_cache_config)
-                # Layer tensors as views into one allocation, as vLLM may hand them over.
-                shape = ((num_blocks, block_size, MLA_HEAD) if mla else
-                         (2, num_blocks, block_size, KV_HEADS, HEAD_DIM))
-                backing = torch.zeros(NUM_LAYERS, *shape, dtype=torch.float16)
-                caches = {n: backing[i] for i, n in enumerate(layer_names)}
-                w.register_kv_caches(caches)
+                        kv_cache_config=configs[rank])
+                caches = allocate_kv_cache(configs[rank], torch.device("cpu"), layout)
+                with set_current_vllm_config(cfg):
+                    w.register_kv_caches(caches)
                 self.workers.append(w)
                 self.kv.append(caches)
+                self.planes.append({n: backend_planes(backend, t, mla)
+                                    for n, t in caches.items()})
         self.layer_names = layer_names
         self.results: dict[str, RequestResult] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -305,27 +345,31 @@ class Engine:
                 res.verified &= self._check(rank, blocks, tokens, computed)
             pos = torch.arange(computed, computed + n)
             tok = torch.tensor(tokens[computed:computed + n])
-            bs = self.block_size
-            slots_b = torch.tensor([blocks[p // bs] for p in pos.tolist()])
-            slots_o = pos % bs
             for li, name in enumerate(self.layer_names):
-                layer = self.kv[rank][name]
-                if self.mla:
-                    layer[slots_b, slots_o] = pattern(rank, li, tok, pos, mla=True)
-                else:
-                    layer[:, slots_b, slots_o] = pattern(rank, li, tok, pos)
+                values = pattern(rank, li, tok, pos, mla=self.mla, heads=self.heads)
+                at = self._slots(blocks, pos)
+                for plane, v in zip(self.planes[rank][name], [values] if self.mla else values,
+                                    strict=True):
+                    plane[at] = v
+
+    def _slots(self, blocks: list[int], pos: torch.Tensor) -> tuple[Any, ...]:
+        """The index of the tokens at ``pos`` in a plane of ``backend_planes``: it
+        selects [n, heads, head_dim] ([n, latent] for MLA)."""
+        bs = self.block_size
+        b = torch.tensor([blocks[p // bs] for p in pos.tolist()], dtype=torch.long)
+        o = pos % bs
+        return (b, o) if self.mla or self.backend != "CPU_ATTN" else (b, slice(None), o)
 
     def _check(self, rank: int, blocks: list[int], tokens: list[int], upto: int) -> bool:
         pos = torch.arange(0, upto)
         tok = torch.tensor(tokens[:upto])
-        bs = self.block_size
-        slots_b = torch.tensor([blocks[p // bs] for p in pos.tolist()])
-        slots_o = pos % bs
         for li, name in enumerate(self.layer_names):
-            layer = self.kv[rank][name]
-            got = layer[slots_b, slots_o] if self.mla else layer[:, slots_b, slots_o]
-            if not torch.equal(got, pattern(rank, li, tok, pos, mla=self.mla)):
-                return False
+            want = pattern(rank, li, tok, pos, mla=self.mla, heads=self.heads)
+            at = self._slots(blocks, pos)
+            for plane, w in zip(self.planes[rank][name], [want] if self.mla else want,
+                                strict=True):
+                if not torch.equal(plane[at], w):
+                    return False
         return True
 
     def drain(self, deadline_s: float = 60.0) -> None:
@@ -357,7 +401,8 @@ def main(spec_path: str) -> None:
     """Run one scripted engine from a JSON spec and print its result as one JSON line.
 
     Spec: ``connector`` ("ours" | "lmcache"), ``extra`` (kv_connector_extra_config),
-    ``tp``, ``mla`` (the tiny DeepSeek-V2 engine), ``phases``: a list of ``{"requests":
+    ``tp``, ``mla`` (the tiny DeepSeek-V2 engine), ``backend`` (CPU_ATTN | FLASH_ATTN),
+    ``layout`` (a KVCacheLayout name for ``VLLM_KV_CACHE_LAYOUT``), ``phases``: a list of ``{"requests":
     [{"id", "prompt", "salt"?}], "on_step": {"N": [argv...]}, "on_retrieve": [argv...]}``
     run one after the other on the same engine (``on_step`` runs a command after step N
     of the phase, ``on_retrieve`` when a step first orders a RETRIEVE, before the
@@ -369,7 +414,10 @@ def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     which = LMCACHE if spec["connector"] == "lmcache" else OURS
-    eng = Engine(which, spec["extra"], tp=spec.get("tp", 1), mla=spec.get("mla", False))
+    if spec.get("layout"):
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = spec["layout"]
+    eng = Engine(which, spec["extra"], tp=spec.get("tp", 1), mla=spec.get("mla", False),
+                 backend=spec.get("backend", "CPU_ATTN"))
     out: dict[str, Any] = {"requests": {}, "phase_seconds": []}
     try:
         for phase in spec["phases"]:

@@ -1,19 +1,26 @@
-"""The connector's worker side with CUDA KV caches, offline: fake CUDA tensors as vLLM
-hands them (logical NHD, HND memory as a permuted view, views into one allocation) over
-the fake CUDA driver, a real lmcache_mp Client against the scripted fake server.
+"""The connector's worker side with CUDA KV caches, offline: fake CUDA tensors shaped and
+strided exactly as vLLM 0.32's allocator makes them (``fixtures/vllm/kv_layouts.json``,
+recorded from vLLM's own ``allocate_kv_cache`` by ``tools/gen_vllm_kv_layouts.py``:
+4-D fused K/V views of one allocation in each layout vLLM resolves) over the fake CUDA
+driver, a real lmcache_mp Client against the scripted fake server.
 
-What is checked: ``wrap_layers`` builds a CudaKVCache with the physical layout;
-``mode="auto"`` registers it LMCache-driven when CUDA IPC can share it (the layout hint
-travels) and engine-driven when it cannot (VMM memory); and the ordering on torch's
-current stream: a STORE's event is recorded on the stream current in ``wait_for_save``
-(after the forward pass), a RETRIEVE's on the one current in ``start_load_kv``, and
-each reply's server event is waited on by that same stream when ``get_finished``
-collects it, even if another stream is current by then."""
+What is checked: ``wrap_layers`` builds a CudaKVCache of vLLM's physical layout;
+``mode="auto"`` registers a layer-compact cache LMCache-driven when CUDA IPC can share
+it (the layout hint travels, each layer's shape and strides as LMCache's own
+connector sends them) and engine-driven when it cannot (VMM memory) or when the layout
+is blocks-first; engine-driven copies put each layer's (token, head) rows into the
+chunk object ``[layers, chunk, heads * C]``, as LMCache's connector does; and the
+ordering on torch's current stream: a STORE's event is recorded on the stream current
+in ``wait_for_save`` (after the forward pass), a RETRIEVE's on the one current in
+``start_load_kv``, and each reply's server event is waited on by that same stream when
+``get_finished`` collects it, even if another stream is current by then."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,7 +36,12 @@ from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaKVCache, staging
 from ..fake_cuda import FakeDriver, FakeTensor
 from ..fake_server import FakeServer
 
-CHUNK, BS, NB, NH, HD, L = 256, 16, 40, 2, 8, 2
+LAYOUTS = {(x["layout"], x["mla"]): x for x in json.loads(
+    (Path(__file__).parents[2] / "fixtures" / "vllm" / "kv_layouts.json").read_text())}
+_ATT = LAYOUTS[("LBHNC", False)]
+CHUNK, BS, NB, NH, L = 256, _ATT["block_size"], _ATT["num_blocks"], _ATT["heads"], len(
+    _ATT["layers"])
+C = 2 * _ATT["head_size"]  # K and V packed in one row per (token, head)
 SERVER_EVENT = b"S" + b"\x07" * (IPC_HANDLE_SIZE - 1)
 
 
@@ -61,15 +73,25 @@ def no_pins_left() -> Iterator[None]:
         staging._pinned.pop(address, None)
 
 
-def vllm_layers(drv: FakeDriver, kind: str = "malloc") -> list[FakeTensor]:
-    """vLLM's per-layer tensors of an HND attention backend: logical NHD [2, NB, BS, NH,
-    HD] views (permuted, non-contiguous) of HND memory, all in one allocation."""
-    nbytes = 2 * NB * NH * BS * HD * 2
-    base = drv.add_alloc(L * nbytes + 4096, kind)
-    hnd = (NB * NH * BS * HD, NH * BS * HD, BS * HD, HD, 1)  # [2, NB, NH, BS, HD] dense
-    nhd_view = (hnd[0], hnd[1], hnd[3], hnd[2], hnd[4])
-    return [FakeTensor(base + 4096 + i * nbytes, (2, NB, BS, NH, HD), strides=nhd_view)
-            for i in range(L)]
+def vllm_layers(drv: FakeDriver, layout: str = "LBHNC", kind: str = "malloc",
+                mla: bool = False) -> list[FakeTensor]:
+    """vLLM's per-layer KV views in ``layout``, as its allocator made them: one
+    allocation, each layer at its offset with its strides (elements, float16)."""
+    rec = LAYOUTS[(layout, mla)]
+    base = drv.add_alloc(rec["alloc_bytes"], kind)
+    return [FakeTensor(base + 2 * x["storage_offset"], tuple(x["shape"]), "torch.float16",
+                       strides=tuple(x["stride"])) for x in rec["layers"]]
+
+
+def logical(drv: FakeDriver, tensors: list[FakeTensor]) -> list[np.ndarray]:
+    """numpy views of the fake device memory with each tensor's shape and strides."""
+    out = []
+    for t in tensors:
+        span = (sum((n - 1) * st for n, st in zip(t.shape, t.strides, strict=True)) + 1) * 2
+        raw = drv._memory(t.ptr, span).view(np.uint16)
+        out.append(np.lib.stride_tricks.as_strided(
+            raw, t.shape, tuple(2 * st for st in t.strides), writeable=True))
+    return out
 
 
 def op(direction: str, rid: str = "r") -> TransferOp:
@@ -98,34 +120,62 @@ def collect(w: WorkerSide, finished: set[str]) -> tuple[set[str], set[str]]:
     raise AssertionError("no transfer finished")
 
 
-def test_wrap_layers_makes_a_cuda_cache_in_the_physical_layout() -> None:
+@pytest.mark.parametrize(("layout", "physical", "block_stride"), [
+    ("LBHNC", "HND", 0), ("LBNHC", "NHD", 0), ("BLHNC", "HND", L * NH * BS * C),
+    ("BLNHC", "NHD", L * NH * BS * C)])
+def test_wrap_layers_makes_a_cuda_cache_in_the_physical_layout(
+        layout: str, physical: str, block_stride: int) -> None:
     drv = FakeDriver()
-    cache = wrap_layers(vllm_layers(drv), BS, driver=drv)
-    assert isinstance(cache, CudaKVCache) and cache.kv_layout == "HND"
+    tensors = vllm_layers(drv, layout)
+    cache = wrap_layers(tensors, BS, driver=drv)
+    assert isinstance(cache, CudaKVCache) and cache.kv_layout == physical
     g = cache.geometry
+    assert g.fused and not g.mla and g.kv_planes == 1 and g.block_stride == block_stride
     assert (g.num_layers, g.num_blocks, g.block_size, g.num_heads, g.head_dim) == (
-        L, NB, BS, NH, HD)
-    assert [e.offset for e in cache.exports] == [4096, 4096 + g.layer_nbytes]
-    dense_nhd = [FakeTensor(t.ptr, (2, NB, BS, NH, HD)) for t in vllm_layers(drv)]
-    assert wrap_layers(dense_nhd, BS, driver=drv).kv_layout == "NHD"  # type: ignore[attr-defined]
-    # Blocks-first layers (FlashInfer) are refused, naming a backend that works.
-    with pytest.raises(InvalidArgument, match="blocks-first.*FLASH_ATTN"):
-        wrap_layers([FakeTensor(1, (NB, 2, BS, NH, HD))], BS, driver=drv)
-    # Devices other than CPU / CUDA, and CPU tensors in LMCache-driven mode, are refused.
+        L, NB, BS, NH, C)
+    assert cache.layer_ptrs == [t.ptr for t in tensors]
+    if block_stride:
+        # Blocks-first: only engine-driven transfers (auto picks them); no export.
+        assert not cache.server_mappable
+        with pytest.raises(InvalidArgument, match="blocks-first.*engine-driven only"):
+            cache.export_layers()
+        return
+    assert cache.server_mappable
+    # What the server maps: each layer's memory in its physical order, dense, as
+    # LMCache's connector sends it (its wrapper permutes the view to its strides).
+    (first, *_) = cache.export_layers()
+    assert first.shape == ((NB, NH, BS, C) if physical == "HND" else (NB, BS, NH, C))
+    assert first.stride == (NH * BS * C, *((BS * C, C, 1) if physical == "HND"
+                                           else (NH * C, C, 1)))
+    assert [e.offset for e in cache.exports] == [t.ptr - tensors[0].ptr for t in tensors]
+
+
+def test_wrap_layers_refuses_what_it_cannot_map() -> None:
+    drv = FakeDriver()
+    (t, *_) = vllm_layers(drv)
+    # The pre-0.32 5-D form, devices other than CPU / CUDA, CPU tensors in
+    # LMCache-driven mode, and kernel blocks smaller than the scheduler's, by name.
+    with pytest.raises(InvalidArgument, match="4-D"):
+        wrap_layers([FakeTensor(t.ptr, (2, NB, BS, NH, C // 2))], BS, driver=drv)
     with pytest.raises(InvalidArgument, match="CPU or CUDA KV caches only"):
-        wrap_layers([FakeTensor(1, (2, NB, BS, NH, HD), kind="xpu")], BS, driver=drv)
+        wrap_layers([FakeTensor(1, t.shape, kind="xpu")], BS, driver=drv)
     with pytest.raises(InvalidArgument, match="'lmcache_driven' needs memory"):
-        wrap_layers([FakeTensor(1, (2, NB, BS, NH, HD), kind="cpu")], BS, "lmcache")
+        wrap_layers([FakeTensor(1, t.shape, kind="cpu")], BS, "lmcache")
+    with pytest.raises(InvalidArgument, match="--block-size 16"):
+        wrap_layers([t], 2 * BS, driver=drv)
+    # Strides no vLLM layout has (a gap after every row) are refused, naming them.
+    with pytest.raises(InvalidArgument, match="strides"):
+        wrap_layers([FakeTensor(t.ptr, t.shape, contiguous=False)], BS, driver=drv)
 
 
 def test_lmcache_driven_transfers_are_ordered_on_the_current_stream(
         server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
     drv = FakeDriver()
     current = CurrentStream(monkeypatch)
-    w = worker_for(server, wrap_layers(vllm_layers(drv), BS, driver=drv))
+    w = worker_for(server, wrap_layers(vllm_layers(drv, "LBNHC"), BS, driver=drv))
     assert w.reg.mode == "lmcache"
     register = server.requests("REGISTER_KV_CACHE")[0].payloads
-    assert register[5] == {"kv_layout": "HND"}  # the physical layout, as a hint
+    assert register[5] == {"kv_layout": "NHD"}  # the physical layout, as a hint
 
     # wait_for_save: the forward pass was queued on stream 0x51.
     current.value = 0x51
@@ -150,28 +200,29 @@ def test_lmcache_driven_transfers_are_ordered_on_the_current_stream(
     w.shutdown()
 
 
-def test_memory_cuda_ipc_cannot_share_goes_engine_driven(
-        server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """VMM memory (vLLM's cumem allocator, expandable segments): 'auto' registers it
-    engine-driven; the copies run on the current stream, synchronised before the
-    COMMIT, and put the logical NHD view's blocks into the pool's chunk objects."""
+@pytest.mark.parametrize(("layout", "kind"), [
+    ("LBHNC", "vmm"), ("LBNHC", "vmm"), ("BLHNC", "malloc"), ("BLNHC", "malloc")])
+def test_engine_driven_copies_write_lmcaches_objects(
+        server: FakeServer, monkeypatch: pytest.MonkeyPatch, layout: str, kind: str) -> None:
+    """VMM memory (vLLM's cumem allocator, expandable segments) and blocks-first
+    layouts: 'auto' registers them engine-driven; the copies run on the current stream,
+    synchronised before the COMMIT, and put each (token, head) row of vLLM's views into
+    the chunk object [layers, chunk, heads * C] (LMCache's connector's object); a
+    RETRIEVE puts them back."""
     drv = FakeDriver()
     current = CurrentStream(monkeypatch)
-    tensors = vllm_layers(drv, kind="vmm")
+    tensors = vllm_layers(drv, layout, kind)
     cache = wrap_layers(tensors, BS, driver=drv)
     g = cache.geometry
-    shape = [2, L, CHUNK, NH * HD]
+    shape = [L, CHUNK, NH * C]
     server.slot_geometry = {"shape": shape, "dtype": g.dtype,
                             "length": int(np.prod(shape)) * g.itemsize}
     w = worker_for(server, cache)
     assert w.reg.mode == "engine"
-    layers = []
+    views = logical(drv, tensors)
     rng = np.random.default_rng(1)
-    for t in tensors:
-        raw = drv._memory(t.ptr, g.layer_nbytes)
-        raw[:] = rng.integers(0, 256, len(raw), dtype=np.uint8)
-        # The logical NHD view vLLM reads: [2, NB, BS, NH, HD].
-        layers.append(raw.view(np.uint16).reshape(2, NB, NH, BS, HD).transpose(0, 1, 3, 2, 4))
+    for v in views:
+        v[...] = rng.integers(0, 2**16, v.shape, dtype=np.uint16)
     current.value = 0x71
     w.start_stores(StepOps([op("STORE")]))
     assert collect(w, {"r"}) == ({"r"}, set()) and w.stats["stored"] == 1
@@ -180,32 +231,35 @@ def test_memory_cuda_ipc_cannot_share_goes_engine_driven(
     assert ("stream_sync", 0x71) in drv.calls
     pool = server.pool_bytes()[: server.slot_geometry["length"]].view(np.uint16).reshape(shape)
     ids = np.arange(1, CHUNK // BS + 1)
-    for kv in range(2):
-        for layer in range(L):
-            want = layers[layer][kv][ids].reshape(CHUNK, NH * HD)  # tokens in block order
-            assert pool[kv, layer].tobytes() == want.tobytes()
+    want = [v[ids].transpose(0, 2, 1, 3).reshape(CHUNK, NH * C) for v in views]
+    for layer in range(L):  # tokens in block order, each token's heads' rows in order
+        assert pool[layer].tobytes() == want[layer].tobytes()
+    before = [v.copy() for v in views]
+    for v in views:
+        v[ids] = 0
+    w.start_loads(StepOps([op("RETRIEVE", "q")]))
+    assert collect(w, set()) == (set(), {"q"}) and w.load_errors() == set()
+    for v, b in zip(views, before, strict=True):
+        assert np.array_equal(v, b)  # the retrieved blocks, and nothing else touched
     w.shutdown()
 
 
 def test_wrap_layers_mla_cuda_registers_and_stores(server: FakeServer,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # DeepSeek-style MLA layers: [num_blocks, block_size, kv_lora_rank + rope dim], views
-    # into one allocation; wrapped in place as an MLA CudaKVCache (one latent plane).
+    # DeepSeek-style MLA layers as vLLM 0.32 allocates them: [num_blocks, 1,
+    # block_size, kv_lora_rank + rope dim] views of one allocation; wrapped in place as
+    # an MLA CudaKVCache (one latent plane).
     CurrentStream(monkeypatch)
     drv = FakeDriver()
-    head = 24
-    nbytes = NB * BS * head * 2
-    base = drv.add_alloc(L * nbytes, "malloc")
-    layers = [FakeTensor(base + i * nbytes, (NB, BS, head)) for i in range(L)]
+    layers = vllm_layers(drv, "LBNHC", mla=True)
+    rec = LAYOUTS[("LBNHC", True)]
     cache = wrap_layers(layers, BS, driver=drv, mla=True)
     assert isinstance(cache, CudaKVCache) and cache.geometry.mla
     g = cache.geometry
     assert (g.num_layers, g.num_blocks, g.block_size, g.num_heads, g.head_dim) == (
-        L, NB, BS, 1, head)
-    with pytest.raises(InvalidArgument, match="MLA model's per-layer KV tensors"):
+        L, NB, BS, 1, rec["head_size"])
+    with pytest.raises(InvalidArgument, match="should have one head"):
         wrap_layers(vllm_layers(drv), BS, driver=drv, mla=True)
-    with pytest.raises(InvalidArgument, match="does not say use_mla"):
-        wrap_layers(layers, BS, driver=drv)
     w = worker_for(server, cache)
     w.start_stores(StepOps([op("STORE")]))
     assert collect(w, {"r"}) == ({"r"}, set()) and w.stats["stored"] == 1

@@ -157,16 +157,38 @@ def test_dead_server_reports_no_hit_and_sends_nothing() -> None:
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
     s.update_state_after_alloc(r, list(range(1, 13)), 0)
     assert s.build_step(out({"r": 3 * CHUNK})).ops == []  # no STORE either
-    assert s.request_finished(r) is True
+    assert s.request_finished(r) is False  # nothing stored: vLLM frees the blocks now
     assert c.ops("LOOKUP") == c.ops("END") == []
 
 
 def test_lookup_errors_count_as_no_hit() -> None:
     a, b = FakeClient(hits=2), FakeClient(hits=2)
-    b.ack = Future(error=RequestTimeout("slow"))
+    b.ack = Future(error=ServerUnavailable("gone"))
     s = side(a, b)
     assert s.get_num_new_matched_tokens(request(3 * CHUNK), 0) == (0, False)
     assert a.ops("FREE") == [("FREE", 0, 2 * CHUNK)]  # a's locks are not retrieved
+    assert b.ops("FREE") == []  # b never answered: no locks of its to free
+
+
+def test_timed_out_lookup_frees_the_locks_the_server_took() -> None:
+    """A LOOKUP whose answer timed out may still have read-locked chunks on the server:
+    the request goes on as a miss, the server is asked again until it says how many,
+    and those are freed; only then does END_SESSION go out."""
+    c = FakeClient(hits=2)
+    c.ack = Future(error=RequestTimeout("slow"))
+    s = side(c)
+    r = request(3 * CHUNK)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert c.ops("FREE") == []
+    c.answers = [Future(None), Future(error=RequestTimeout("again")), Future(2)]
+    s.update_state_after_alloc(r, list(range(1, 13)), 0)
+    s.build_step(out({"r": 3 * CHUNK}))  # still running on the server
+    s.build_step(out({}))                # that answer timed out too: ask again
+    assert c.ops("FREE") == []
+    s.build_step(out({}))                # 2 chunks were locked: freed
+    assert c.ops("FREE") == [("FREE", 0, 2 * CHUNK)]
+    assert s.request_finished(r) is True  # its chunks were stored
+    assert c.calls[-1] == ("END", "r")   # after the FREE was answered
 
 
 @pytest.mark.parametrize("salt", ["a@b", "x" * 129, "p/q", "nul\x00"])
@@ -314,21 +336,149 @@ def test_unhealthy_server_fails_loads_at_once_and_skips_stores() -> None:
     reg, client = FakeReg(), FakeClient()
     w = worker(reg, client)
     client.healthy = False
-    w.start_loads(StepOps([op("RETRIEVE", "a")]))
+    w.start_loads(StepOps([op("RETRIEVE", "a")], held=["b"]))
     w.start_stores(StepOps([op("STORE", "b")]))
     assert reg.sent == []
     assert w.get_finished({"b"}) == ({"b"}, {"a"}) and w.load_errors() == {1, 2, 3, 4}
     assert w.stats["skipped_stores"] == 1
 
 
-def test_finished_request_is_reported_after_its_stores() -> None:
+def test_held_request_is_reported_after_its_stores_and_no_other() -> None:
     reg = FakeReg()
     reg.next = Future(True, ready=False)
     w = worker(reg, FakeClient())
+    w.start_loads(StepOps())
     w.start_stores(StepOps([op("STORE")]))
-    assert w.get_finished({"r"}) == (set(), set())
+    # vLLM says r finished; the scheduler holds it (next step): reported once stored.
+    assert w.get_finished({"r", "other"}) == (set(), set())
+    w.start_loads(StepOps(held=["r"]))
+    assert w.get_finished(set()) == (set(), set())
     reg.next.ready = True
     assert w.get_finished(set()) == ({"r"}, set()) and w.stats["stored"] == 1
+    assert w.get_finished({"other"}) == (set(), set())  # never held: never "sent"
+
+
+def test_abort_during_a_pending_load_never_reports_it_sent() -> None:
+    """vLLM's scheduler frees a request's blocks on its first "finished" report and
+    asserts it still exists on the next: a request aborted while its load is pending
+    must be reported "finished receiving" once, and never "finished sending"
+    (vLLM 0.32 scheduler.py:3224)."""
+    c = FakeClient(hits=3)
+    s = side(c)
+    r = request(3 * CHUNK + 5)
+    assert s.get_num_new_matched_tokens(r, 0) == (3 * CHUNK, True)
+    s.update_state_after_alloc(r, list(range(1, 14)), 3 * CHUNK)
+    (load,) = s.build_step(out({})).retrieves()
+    assert s.request_finished(r) is False  # vLLM keeps the blocks for the load
+    assert c.ops("END") == []  # the load is in flight: the session stays
+    reg = FakeReg()
+    reg.next = Future(True, ready=False)
+    w = worker(reg, FakeClient())
+    step = s.build_step(out({}))
+    assert step.held == []
+    w.start_loads(StepOps([load]))
+    assert w.get_finished({"r"}) == (set(), set())
+    reg.next.ready = True
+    assert w.get_finished(set()) == (set(), {"r"})
+    s.update_connector_output({"r"})
+    assert c.ops("END") == [("END", "r")]
+
+
+def test_abort_before_the_retrieve_was_ordered_still_orders_it() -> None:
+    """Aborted after allocation, before the step that orders its RETRIEVE: vLLM waits
+    for its "finished receiving", so the RETRIEVE still goes out (it also consumes the
+    lookup's read locks)."""
+    c = FakeClient(hits=2)
+    s = side(c)
+    r = request(2 * CHUNK + 5)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(1, 10)), 2 * CHUNK)
+    assert s.request_finished(r) is False
+    (load,) = s.build_step(out({})).retrieves()
+    assert (load.request_id, load.end) == ("r", 2 * CHUNK)
+    assert s.build_step(out({})).retrieves() == [] and c.ops("END") == []
+    s.update_connector_output({"r"})
+    assert c.ops("END") == [("END", "r")]
+
+
+def test_end_session_waits_for_the_lock_frees() -> None:
+    """FREE_LOOKUP_LOCKS and END_SESSION of one request are never in flight together:
+    a server that handled END_SESSION first would lose what to free."""
+    c = FakeClient(hits=2)
+    slow = Future(None, ready=False)
+    c.free_lookup_locks_async = lambda *a, **k: (c.calls.append(("FREE",)), slow)[1]  # type: ignore[method-assign]
+    s = side(c)
+    r = request(3 * CHUNK)
+    s.get_num_new_matched_tokens(r, 2 * CHUNK)  # vLLM holds the hit: locks freed
+    s.update_state_after_alloc(r, list(range(1, 13)), 0)
+    assert s.request_finished(r) is False
+    assert c.ops("FREE") == [("FREE",)] and c.ops("END") == []
+    slow.ready = True
+    s.build_step(out({}))
+    assert c.ops("END") == [("END", "r")]
+
+
+def test_preempted_request_looks_up_again_and_loads() -> None:
+    """A preempted request lost its blocks; scheduled again, it looks up again (what
+    it stored is on the server now) and loads, as LMCache's connector does."""
+    c = FakeClient(hits=0)
+    s = side(c)
+    r = request(3 * CHUNK + 8)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(1, 14)), 0)
+    (st,) = s.build_step(out({"r": 3 * CHUNK + 8})).stores()
+    assert st.end == 3 * CHUNK
+    r.status = SimpleNamespace(name="PREEMPTED")
+    c.hits = 3
+    assert s.get_num_new_matched_tokens(r, 0) == (3 * CHUNK, True)
+    assert len(c.ops("LOOKUP")) == 2
+    s.update_state_after_alloc(r, list(range(40, 53)), 3 * CHUNK)
+    (load,) = s.build_step(out({})).retrieves()
+    assert (load.start, load.end, load.block_ids[0]) == (0, 3 * CHUNK, 40)
+
+
+def test_save_decode_cache_stores_chunks_of_generated_tokens() -> None:
+    s = side(FakeClient())
+    s.cfg = ConnectorConfig(save_decode_cache=True)
+    r = request(CHUNK + 8)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(1, 6)), 0)
+    (first,) = s.build_step(out({"r": CHUNK + 8})).stores()
+    assert first.end == CHUNK
+    # Decoding: one token a step; vLLM's token list grows, new blocks come.
+    for i in range(CHUNK - 8):
+        r.all_token_ids.append(5000 + i)
+        step = s.build_step(out({"r": 1}, {"r": [6 + i // BS] if i % BS == 8 else []}))
+        if i < CHUNK - 9:
+            assert step.stores() == []
+    (decoded,) = step.stores()
+    assert (decoded.start, decoded.end) == (CHUNK, 2 * CHUNK)
+    assert decoded.token_ids[CHUNK + 8:2 * CHUNK] == tuple(5000 + i for i in range(CHUNK - 8))
+    # Without the key only whole prompt chunks are stored.
+    plain = side(FakeClient())
+    r2 = request(CHUNK + 8, "p")
+    plain.get_num_new_matched_tokens(r2, 0)
+    plain.update_state_after_alloc(r2, list(range(1, 6)), 0)
+    plain.build_step(out({"p": CHUNK + 8}))
+    r2.all_token_ids.extend(range(CHUNK))
+    assert plain.build_step(out({"p": CHUNK}, {"p": [6, 7]})).stores() == []
+
+
+@pytest.mark.parametrize(("role", "looks_up", "stores"), [
+    ("kv_both", True, True), ("kv_consumer", True, False), ("kv_producer", False, True)])
+def test_kv_role_is_honoured(role: str, looks_up: bool, stores: bool) -> None:
+    c = FakeClient(hits=1)
+    cfg = ConnectorConfig(server_urls=("tcp://127.0.0.1:0",))
+    s = SchedulerSide(cfg, {cfg.server_urls[0]: c}, model_name="m", kv_world_size=1,
+                      block_size=BS, start_health=False, kv_role=role)
+    r = request(3 * CHUNK)
+    hit = s.get_num_new_matched_tokens(r, 0)
+    assert hit == ((CHUNK, True) if looks_up else (0, False))
+    assert bool(c.ops("LOOKUP")) is looks_up
+    s.update_state_after_alloc(r, list(range(1, 13)), hit[0] or 0)
+    s.build_step(out({}))
+    step = s.build_step(out({"r": 3 * CHUNK - (hit[0] or 0)}))
+    assert bool(step.stores()) is stores
 
 
 def test_registration_is_retried_while_the_server_is_down() -> None:
@@ -358,7 +508,7 @@ def test_registration_is_retried_while_the_server_is_down() -> None:
 # ---------------------------------------------------------------- configuration
 def test_config_keys_are_lmcaches() -> None:
     c = ConnectorConfig.from_extra({"lmcache.mp.host": "127.0.0.1", "lmcache.mp.port": "6000",
-                                    "lmcache.mp.mq_timeout": 7, "lmcache.mp.isolated_ipc": True,
+                                    "lmcache.mp.mq_timeout": 7, "lmcache.mp.isolated_ipc": False,
                                     "lmcache.mp.mp_transfer_mode": "engine_driven",
                                     "other.key": 1})
     assert c.server_urls == ("tcp://127.0.0.1:6000",) and c.mq_timeout == 7.0
@@ -373,6 +523,39 @@ def test_config_keys_are_lmcaches() -> None:
         ConnectorConfig.from_extra({"lmcache.mp.mp_transfer_mode": "fast"})
     with pytest.raises(InvalidArgument, match="mq_timeout"):
         ConnectorConfig.from_extra({"lmcache.mp.mq_timeout": 0})
+
+
+@pytest.mark.parametrize(("key", "value", "why"), [
+    ("lazy_offload", True, "stores are submitted after each forward pass"),
+    ("lazy_offload_threshold", 100, "lazy offload is not supported"),
+    ("lazy_offload_policy", "fifo", "lazy offload is not supported"),
+    ("autostart", "true", "the server is started separately"),
+    ("autostart.server_args", "--port 1", "does not start the server"),
+    ("eager_prefetch", True, "first asks for the request's hit"),
+    ("nonblocking_lookup_status", False, "never block"),
+    ("hash_algorithm", "sha256", "blake3"),
+    ("isolated_ipc", True, "same IPC namespace"),
+    ("transfer_intermediate_tensors", True, "only KV caches"),
+])
+def test_lmcaches_keys_are_never_silently_ignored(key: str, value: Any, why: str) -> None:
+    """Each of LMCache's keys is honoured, accepted with a value that asks for what
+    this connector does anyway, or refused saying what to do."""
+    with pytest.raises(InvalidArgument, match=why):
+        ConnectorConfig.from_extra({f"lmcache.mp.{key}": value})
+
+
+def test_lmcaches_keys_with_our_behaviour_are_accepted_and_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, "lmcache_mp")
+    ConnectorConfig.from_extra({"lmcache.mp.lazy_offload": "false",
+                                "lmcache.mp.hash_algorithm": "blake3",
+                                "lmcache.mp.use_vmm_api": True,
+                                "lmcache.mp.nonblocking_lookup_status": True})
+    said = caplog.text
+    for key in ("lazy_offload", "hash_algorithm", "use_vmm_api", "nonblocking_lookup_status"):
+        assert f"lmcache.mp.{key}" in said
 
 
 def test_rank_placement_is_lmcaches() -> None:
@@ -401,22 +584,49 @@ def test_mla_cpu_layers_are_wrapped_in_place() -> None:
 
     from lmcache_mp.integrations.vllm.kv_caches import wrap_layers
 
-    backing = torch.zeros(2, 10, BS, 24, dtype=torch.float16)
+    # vLLM 0.32's MLA views: [num_blocks, 1, block_size, latent], one allocation.
+    backing = torch.zeros(2, 10, 1, BS, 24, dtype=torch.float16)
     cache = wrap_layers(list(backing), BS, "engine", mla=True)
     g = cache.geometry
     assert g.mla and (g.num_layers, g.num_blocks, g.block_size, g.num_heads, g.head_dim) == (
         2, 10, BS, 1, 24)
     assert g.kv_planes == 1
-    backing[1, 3, 5] = 7.0  # the cache reads vLLM's memory, not a copy
+    backing[1, 3, 0, 5] = 7.0  # the cache reads vLLM's memory, not a copy
     assert float(cache.torch_layers[1][3, 5, 0]) == 7.0  # type: ignore[attr-defined]
-    with pytest.raises(InvalidArgument, match="does not say use_mla"):
-        wrap_layers(list(backing), BS, "engine")
-    with pytest.raises(InvalidArgument, match="MLA model's per-layer KV tensors"):
-        wrap_layers(list(torch.zeros(2, 2, 10, BS, 1, 24)), BS, mla=True)
-    with pytest.raises(InvalidArgument, match="MLA model's per-layer KV tensors"):
+    with pytest.raises(InvalidArgument, match="should have one head"):
+        wrap_layers(list(torch.zeros(2, 10, 2, BS, 24)), BS, mla=True)
+    with pytest.raises(InvalidArgument, match="--block-size"):
         wrap_layers(list(backing), 8, mla=True)  # block size on the wrong axis
     with pytest.raises(InvalidArgument, match="'lmcache_driven' needs memory"):
         wrap_layers(list(backing), BS, "lmcache", mla=True)
+
+
+def test_fused_cpu_layers_are_wrapped_in_place_as_lmcaches_objects() -> None:
+    """vLLM's 4-D fused K/V views (a permuted LBNHC view here) are wrapped without a
+    copy, and a chunk's object is what LMCache's connector writes for them:
+    [layers, tokens, heads * C], each (token, head) row as vLLM holds it."""
+    import numpy as np
+    import torch
+
+    from lmcache_mp.integrations.vllm.kv_caches import wrap_layers
+    from lmcache_mp.ipc.paged_copy import gather_chunk, scatter_chunk
+
+    heads, c, nb = 2, 8, 12
+    physical = torch.arange(2 * nb * BS * heads * c, dtype=torch.int16).view(
+        2, nb, BS, heads, c)  # LBNHC memory
+    layers = [physical[i].permute(0, 2, 1, 3) for i in range(2)]  # logical [B, H, N, C]
+    cache = wrap_layers(layers, BS, "engine")
+    g = cache.geometry
+    assert g.fused and g.kv_planes == 1 and (g.num_heads, g.head_dim) == (heads, c)
+    ids = np.array([3, 4, 9, 1])
+    obj = np.zeros((2, len(ids) * BS, heads * c), np.int16)
+    gather_chunk(cache.layers, ids, obj, g)  # type: ignore[attr-defined]
+    for layer in range(2):
+        want = physical[layer][torch.from_numpy(ids)].reshape(len(ids) * BS, heads * c)
+        assert np.array_equal(obj[layer], want.numpy())
+    physical.zero_()
+    scatter_chunk(obj, cache.layers, ids, g, skip_blocks=1)  # type: ignore[attr-defined]
+    assert not physical[:, 3].any() and physical[:, 4].any() and physical[:, 1].any()
 
 
 def test_mla_rank_placement_is_lmcaches() -> None:
@@ -449,6 +659,7 @@ def test_mla_non_writer_rank_loads_but_never_stores() -> None:
     w.set_registration(lambda: reg, BS)
     w.start_stores(StepOps([op("STORE")]))
     assert reg.sent == [] and w.stats["skipped_stores"] == 0
+    w.start_loads(StepOps(held=["r"]))
     assert w.get_finished({"r"}) == ({"r"}, set())  # nothing to wait for
     w.start_loads(StepOps([op("RETRIEVE", "x")]))
     ((name, key, _),) = reg.sent

@@ -1,10 +1,12 @@
 """The connector's settings, read from vLLM's ``kv_connector_extra_config``.
 
 Key names are LMCache's (``lmcache.mp.*``) wherever the meaning is the same, so a
-deployment switches from LMCache's connector by changing the module path only. Keys
-LMCache has and this connector does not act on are accepted and ignored (listed in
-:data:`IGNORED_KEYS`); an unknown ``lmcache.mp.`` key is refused, so a typo is not
-silently a default. No vLLM import here: the unit tests run without vLLM.
+deployment switches from LMCache's connector by changing the module path only. No key
+is silently ignored: each of LMCache's keys is honoured, or accepted with a value that
+asks for what this connector does anyway (:data:`SAME_AS_OURS`, logged), or refused
+with what to do instead (:data:`REFUSED`); an unknown ``lmcache.mp.`` key is refused,
+so a typo is not silently a default. No vLLM import here: the unit tests run without
+vLLM.
 """
 
 from __future__ import annotations
@@ -17,16 +19,36 @@ from typing import Any
 from ...errors import InvalidArgument
 from ...keys import SALT_FORBIDDEN_CHARS, SALT_MAX_LEN
 
-__all__ = ["ConnectorConfig", "RankPlacement", "placement", "salt_usable", "IGNORED_KEYS"]
+__all__ = ["ConnectorConfig", "RankPlacement", "placement", "salt_usable", "SAME_AS_OURS",
+           "REFUSED"]
 
 log = logging.getLogger("lmcache_mp")
 
 PREFIX = "lmcache.mp."
-#: LMCache's keys that change nothing here (its own features: lazy offload, VMM, ...).
-IGNORED_KEYS = frozenset({
-    "nonblocking_lookup_status", "isolated_ipc", "use_vmm_api", "hash_algorithm",
-    "transfer_intermediate_tensors", "lazy_offload", "autostart", "autostart_args",
-})
+#: LMCache's keys (0.5.3-0.5.7rc2) whose every accepted value is what this connector
+#: does anyway: key -> (the values accepted, what this connector does).
+SAME_AS_OURS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "nonblocking_lookup_status": ((True,), "lookups never block the scheduler"),
+    "hash_algorithm": (("blake3",), "chunk keys are blake3 hashes (start the server "
+                                    "with its default --hash-algorithm blake3)"),
+    "use_vmm_api": ((True, False), "CUDA VMM memory (the cumem allocator) is detected "
+                                   "from the memory itself"),
+    "isolated_ipc": ((False,), "CUDA IPC needs the server in the same IPC namespace"),
+    "eager_prefetch": ((False,), "a lookup starts when vLLM first asks for the "
+                                 "request's hit"),
+    "lazy_offload": ((False,), "stores are submitted after each forward pass"),
+    "transfer_intermediate_tensors": ((False,), "only KV caches are transferred"),
+    "autostart": ((False,), "the server is started separately"),
+}
+#: LMCache's keys of features this connector does not have, refused whatever their
+#: value (as prefixes: ``lazy_offload_*`` and ``autostart.*`` configure those).
+REFUSED: dict[str, str] = {
+    "lazy_offload_": "LMCache's lazy offload is not supported by the lmcache_mp "
+                     "connector: remove the lazy-offload keys",
+    "autostart.": "the lmcache_mp connector does not start the server: run `python -m "
+                  "lmcache.v1.multiprocess.server ...` yourself and remove the "
+                  "autostart keys",
+}
 _MODES = {"auto": "auto", "engine_driven": "engine", "lmcache_driven": "lmcache",
           "engine": "engine", "lmcache": "lmcache"}
 
@@ -54,14 +76,24 @@ class ConnectorConfig:
         known = {"server_urls", "host", "port", "mq_timeout", "heartbeat_interval",
                  "mp_transfer_mode", "save_decode_cache", "transfer_timeout",
                  "lookup_timeout", "health_interval"}
-        unknown = set(raw) - known - IGNORED_KEYS
+        for k in sorted(raw):
+            refused = next((why for p, why in REFUSED.items() if k.startswith(p)), None)
+            if refused is not None:
+                raise InvalidArgument(f"{PREFIX}{k}: {refused}")
+        unknown = set(raw) - known - set(SAME_AS_OURS)
         if unknown:
             raise InvalidArgument(
                 f"unknown kv_connector_extra_config keys {sorted(PREFIX + k for k in unknown)}; "
-                f"known: {sorted(PREFIX + k for k in known)}")
-        for k in set(raw) & IGNORED_KEYS:
-            log.info("lmcache_mp connector: %s%s is LMCache's own and has no effect here",
-                     PREFIX, k)
+                f"known: {sorted(PREFIX + k for k in known | set(SAME_AS_OURS))}")
+        for k in sorted(set(raw) & set(SAME_AS_OURS)):
+            accepted, ours = SAME_AS_OURS[k]
+            value = _bool(raw[k]) if isinstance(accepted[0], bool) else raw[k]
+            if value not in accepted:
+                raise InvalidArgument(
+                    f"{PREFIX}{k}={raw[k]!r} is not supported by the lmcache_mp connector "
+                    f"({ours}): remove the key, or set it to "
+                    f"{' or '.join(repr(a) for a in accepted)}")
+            log.info("lmcache_mp connector: %s%s=%r: %s", PREFIX, k, raw[k], ours)
         urls = _urls(raw)
         mode = str(raw.get("mp_transfer_mode", "auto"))
         if mode not in _MODES:

@@ -5,7 +5,7 @@ Load it with ``--kv-transfer-config '{"kv_connector": "LMCacheMPConnector",
 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port":
 5555}}'``. The scheduler role runs :class:`~.scheduler.SchedulerSide`, each worker a
 :class:`~.worker.WorkerSide`; this class only adapts vLLM's interface (0.32 and 0.33:
-0.33's sleep-mode hooks keep their defaults, i.e. sleep mode is not supported).
+0.33: ``supports_sleep_mode`` is False, so vLLM refuses sleep mode with it).
 MLA models (``model_config.use_mla``) follow LMCache's rules: see kv_caches.py and
 config.placement.
 The only module of lmcache_mp that imports vLLM.
@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...client import Client
 from ...errors import InvalidArgument
 from .config import ConnectorConfig, placement
-from .kv_caches import mla_only, wrap_layers
+from .kv_caches import check_one_group, mla_only, wrap_layers
 from .ops import StepOps
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -80,7 +80,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                  tp_size=tp).kv_world_size
             self.scheduler = SchedulerSide(
                 self.cfg, clients, model_name=self.model_name, kv_world_size=kv_world,
-                lookup_tp_size=max(1, tp // n), block_size=self.block_size, mla=self.mla)
+                lookup_tp_size=max(1, tp // n), block_size=self.block_size, mla=self.mla,
+                kv_role=str(self._kv_transfer_config.kv_role or "kv_both"))
         else:
             place = placement(self.cfg.server_urls, world, rank, mla=self.mla, tp_size=tp)
             self.worker = WorkerSide(self.cfg, client(place.url), place,
@@ -89,8 +90,10 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        # One group (no hybrid KV-cache groups): layers in vLLM's registration order.
-        # CPU tensors: engine-driven only; CUDA tensors: either mode (kv_caches.py).
+        # One group (no hybrid KV-cache groups): layers in vLLM's registration order,
+        # each a 4-D view of vLLM's one allocation (kv_caches.py). CPU tensors:
+        # engine-driven only; CUDA tensors: either mode.
+        check_one_group(self._kv_cache_config)
         cache = wrap_layers(list(kv_caches.values()), self.block_size, self.cfg.mode,
                             mla=self.mla)
         worker = self.worker
@@ -163,7 +166,19 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self.scheduler is not None
         return LMCacheMPClientMetadata(self.scheduler.build_step(scheduler_output))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output.finished_recving)
+
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request), None
+
+    # ============================================================= vLLM 0.33
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33 remaps the KV cache on sleep / wake-up and calls
+        # unregister_kv_caches / restore_kv_caches; this connector does not follow
+        # that yet, so vLLM refuses --enable-sleep-mode with it.
+        return False

@@ -1,22 +1,31 @@
-"""vLLM's per-layer KV tensors as a lmcache_mp cache, without copying them.
+"""vLLM's KV caches as a lmcache_mp cache, in place (no copy).
 
-vLLM allocates one tensor per attention layer, logically ``[2, num_blocks,
-block_size, heads, head_dim]`` (NHD, whatever the physical order: an HND attention
-backend gets a permuted, strided view), possibly views into one shared allocation.
-An MLA model (DeepSeek-style, ``model_config.use_mla``) has one latent plane per
-layer, ``[num_blocks, block_size, head_size]`` (``kv_lora_rank + qk_rope_head_dim``),
-registered as an MLA cache (``use_mla``: one object plane on the server).
+What vLLM 0.32 / 0.33 hand a connector (``vllm/v1/worker/utils.py``
+``allocate_kv_cache``, ``vllm/v1/kv_cache_interface.py`` ``create_kv_cache_views``):
+ONE backing allocation, viewed per layer as a 4-D tensor ``[num_blocks, num_kv_heads,
+block_size, C]`` in the *logical* axis order, whatever the physical order (the
+resolved ``KVCacheLayout``: ``LBHNC``, ``LBNHC``, blocks-first ``BLHNC`` / ``BLNHC``
+with the layers interleaved inside each block, ...), which only the strides show.
+``C = 2 * head_size`` holds a token's K and V as the attention backend packs them
+(FlashAttention: ``[K | V]`` per row; vLLM's CPU backend: each block's K rows, then
+its V rows); an MLA layer has one head and ``C`` = the latent width.
 
-* CPU tensors: ``CpuKVCache.wrap`` reads them in place (any strides) for the
-  engine-driven mode, in which this client copies between them and the server's
-  shared-memory pool; the LMCache-driven mode cannot use them (the server maps only
-  shared-memory segments or CUDA allocations), so it is refused.
-* CUDA tensors: ``CudaKVCache.from_torch`` exports each layer's allocation with its
-  offset (CUDA IPC) and registers the physical layout the strides show (NHD or HND;
-  every release's GPU server honours the layout hint). ``mode="auto"`` then registers
-  it LMCache-driven (the server copies device to device) when CUDA IPC can share the
-  memory, else engine-driven (CUDA copies through the server's pool: VMM / cumem
-  allocators, memory pools, Tegra).
+The server's objects are what LMCache's own connector stores for these layers (every
+release from 0.5.3: its detector reads any rank-4 layer as fused K/V,
+``NL_X_NB_NH_BS_CS`` / ``NL_X_NB_BS_NH_CS``, one plane, and its copy moves the ``C``
+axis verbatim): ``[layers, chunk, heads * C]``, token-major, each (token, head) row as
+vLLM holds it. So entries are shared with LMCache's connector both ways, between
+engines of any physical layout, and never depend on how the backend packs K and V
+(engines whose backends pack differently, a CPU and a GPU engine, do not share
+entries: as with LMCache's connector). MLA layers are registered as MLA (``[layers,
+chunk, latent]``, the same bytes).
+
+* CPU tensors: ``CpuKVCache.wrap(..., fused=True)`` reads them in place for the
+  engine-driven mode (the server cannot map vLLM's memory: LMCache-driven is refused).
+* CUDA tensors: ``CudaKVCache.from_torch(..., fused=True)``.
+
+Anything else vLLM may hand over (hybrid KV-cache groups, kernel blocks smaller than
+the scheduler's block, other ranks) is refused by name.
 """
 
 from __future__ import annotations
@@ -25,10 +34,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import InvalidArgument
-from ...ipc.base import ExportableKVCache, KVLayout
+from ...ipc.base import ExportableKVCache
 from ...ipc.cpu_cache import CpuKVCache
 
-__all__ = ["wrap_layers", "mla_only"]
+__all__ = ["wrap_layers", "mla_only", "check_one_group"]
+
+
+def check_one_group(kv_cache_config: Any) -> None:
+    """Refuse several KV-cache groups (a hybrid model the connector cannot key)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        raise InvalidArgument(
+            f"vLLM made {len(groups)} KV-cache groups (a hybrid model: sliding-window, "
+            f"mamba or several attention kinds): the lmcache_mp connector supports one "
+            f"group of full-attention or MLA layers")
 
 
 def mla_only(model_config: Any) -> bool:
@@ -45,13 +64,11 @@ def mla_only(model_config: Any) -> bool:
     return True
 
 
-def wrap_layers(tensors: Sequence[Any], block_size: int, mode: str = "auto",
-                driver: Any = None, mla: bool = False) -> ExportableKVCache:
-    """Wrap vLLM's per-layer torch tensors (CPU or CUDA, one geometry) in place: 5-D
-    shaped NHD when the third axis is the block size, else HND; with ``mla``, 3-D
-    ``[num_blocks, block_size, head_size]``. ``mode`` is the lmcache_mp mode the
-    connector will register with; ``driver``: a CUDA driver for tests (None:
-    cuda-python's)."""
+def wrap_layers(tensors: Sequence[Any], block_size: int, mode: str = "auto", *,
+                mla: bool = False, driver: Any = None) -> ExportableKVCache:
+    """Wrap vLLM's per-layer 4-D torch tensors (CPU or CUDA, one geometry) in place
+    (module docstring). ``mode`` is the lmcache_mp mode the connector will register
+    with; ``driver``: a CUDA driver for tests (None: cuda-python's)."""
     if not tensors:
         raise InvalidArgument("no KV cache layers to register")
     first = tensors[0]
@@ -60,37 +77,36 @@ def wrap_layers(tensors: Sequence[Any], block_size: int, mode: str = "auto",
         raise InvalidArgument(
             f"KV tensors on {first.device} are not supported by the lmcache_mp vLLM "
             f"connector: CPU or CUDA KV caches only (see docs/vllm.md)")
-    if mla:
-        if first.dim() != 3 or first.shape[1] != block_size:
-            raise InvalidArgument(
-                f"an MLA model's per-layer KV tensors should be [num_blocks, "
-                f"{block_size}, head_size] (3-D), got {tuple(first.shape)}: this MLA "
-                f"attention backend's layout is not supported by the lmcache_mp connector")
-    elif first.dim() == 3:
+    shape = tuple(int(d) for d in first.shape)
+    if len(shape) != 4:
         raise InvalidArgument(
-            f"per-layer KV tensors {tuple(first.shape)} are 3-D (an MLA layout) but the "
-            f"model config does not say use_mla: not supported by the lmcache_mp connector")
-    elif first.dim() == 5 and first.shape[1] == 2 and first.shape[0] != 2:
+            f"expected vLLM 0.32 / 0.33's per-layer KV views [num_blocks, num_kv_heads, "
+            f"block_size, 2 * head_size] (4-D), got {shape}: this vLLM release or "
+            f"attention backend is not supported by the lmcache_mp connector")
+    heads, bs = shape[1], shape[2]
+    if bs != block_size:
         raise InvalidArgument(
-            f"per-layer KV tensors {tuple(first.shape)} are blocks-first [num_blocks, 2, "
-            f"...] (FlashInfer and similar attention backends), which the lmcache_mp "
-            f"connector does not register yet: select a K/V-first attention backend "
-            f"in vLLM, such as FLASH_ATTN")
-    elif first.dim() != 5 or first.shape[0] != 2:
+            f"vLLM's KV views have blocks of {bs} tokens but its scheduler uses "
+            f"{block_size}: the attention kernel splits each block (kernel block size "
+            f"{bs}), which the lmcache_mp connector does not map; start vLLM with "
+            f"--block-size {bs}")
+    if mla and heads != 1:
         raise InvalidArgument(
-            f"expected per-layer KV tensors [2, num_blocks, ...] (5-D), got "
-            f"{tuple(first.shape)}: this attention layout is not supported yet")
-    # An MLA layer has no head axis: the layout is only a formality there.
-    layout: KVLayout = "NHD" if mla or first.shape[2] == block_size else "HND"
+            f"an MLA model's KV views should have one head, got {shape}: this MLA "
+            f"attention backend's layout is not supported by the lmcache_mp connector")
     if device == "cuda":
         from ...ipc.cuda import CudaKVCache  # imports cuda-python only for a driver
 
-        return CudaKVCache.from_torch(list(tensors), layout=layout, mla=mla,
-                                      driver=driver)
+        # vLLM's logical axis order is [blocks, heads, block_size, C]: "HND".
+        return CudaKVCache.from_torch(list(tensors), layout="HND", mla=mla,
+                                      fused=not mla, driver=driver)
     if mode == "lmcache":
         raise InvalidArgument(
             "lmcache.mp.mp_transfer_mode 'lmcache_driven' needs memory the server can "
             "map, and vLLM's CPU KV tensors are not shared memory: use 'auto' or "
             "'engine_driven' (and start the server with --supported-transfer-mode auto "
             "--shm-name NAME from LMCache 0.5.4)")
-    return CpuKVCache.wrap(list(tensors), layout=layout, block_size=block_size)
+    if mla:  # [num_blocks, block_size, latent] views: the same bytes as one fused head
+        return CpuKVCache.wrap([t[:, 0] for t in tensors], layout="NHD",
+                               block_size=block_size)
+    return CpuKVCache.wrap(list(tensors), layout="HND", block_size=block_size, fused=True)

@@ -32,6 +32,10 @@ class StepOps:
     #: vLLM preempted requests this step: their blocks may be reused, so pending
     #: stores must finish before the forward pass writes into them.
     flush_stores: bool = False
+    #: Finished requests whose blocks vLLM keeps until every worker reports them
+    #: "finished sending" (``request_finished`` returned True): each worker reports
+    #: them once its stores of them are done, and reports no other request so.
+    held: list[str] = field(default_factory=list)
 
     def retrieves(self) -> list[TransferOp]:
         return [op for op in self.ops if op.direction == "RETRIEVE"]

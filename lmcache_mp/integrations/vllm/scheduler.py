@@ -4,12 +4,29 @@ It follows LMCache's connector (``LMCacheMPConnector``, 0.5.6): a request's
 chunk-aligned prefix is looked up on every server without waiting (vLLM is told "not
 yet" until every answer is in); the hit is the minimum over servers (extra locks are
 freed); chunks vLLM's own prefix cache already holds have their locks freed, and the
-RETRIEVE skips them; newly computed whole prompt chunks are stored; a finished request
-ends its server session. While a server does not answer its health probe, lookups
-report 0 and nothing is sent to it, so the engine never waits on a dead server.
+RETRIEVE skips them; newly computed whole prompt chunks (and decode chunks with
+``save_decode_cache``) are stored; a preempted request looks up again; a finished
+request ends its server session. While a server does not answer its health probe,
+lookups report 0 and nothing is sent to it, so the engine never waits on a dead server.
+
+What vLLM is promised, and kept:
+
+* ``request_finished`` returns True (vLLM keeps the blocks) only for a request that
+  had STOREs ordered; the workers report exactly those requests "finished sending",
+  once their stores are done (the step's ``held``). A request aborted while its load
+  is pending returns False: vLLM keeps its blocks until the load is reported finished
+  (an aborted request whose RETRIEVE was not ordered yet still gets it, so the
+  report comes and the lookup's read locks are consumed).
+* Read locks: a lookup whose answer timed out is asked again in the background until
+  the server says how many chunks it locked, which are then freed; a request's
+  END_SESSION goes out only after its FREE_LOOKUP_LOCKS were answered and its load
+  reported (the server may handle requests out of order, and a session ended first
+  loses the record of what to free).
+* ``kv_role``: a ``kv_consumer`` never stores, a ``kv_producer`` never looks up.
 
 vLLM objects are read by attribute only (``request_id``, ``all_token_ids``,
-``num_prompt_tokens``, ``cache_salt``, ...), so this runs in unit tests without vLLM.
+``num_prompt_tokens``, ``cache_salt``, ``status``, ...), so this runs in unit tests
+without vLLM.
 """
 
 from __future__ import annotations
@@ -18,18 +35,23 @@ import enum
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import LMCacheMPError
+from ...errors import LMCacheMPError, RequestTimeout
 from ...keys import CacheKey
 from .config import ConnectorConfig, salt_usable
 from .ops import StepOps, TransferOp
 
-__all__ = ["SchedulerSide", "State"]
+__all__ = ["SchedulerSide", "State", "SETTLE_S"]
 
 log = logging.getLogger("lmcache_mp")
+
+#: How long a lookup whose answer timed out is asked again for the locks it took
+#: (the servers drop unreleased read locks after 300 s anyway).
+SETTLE_S = 60.0
 
 
 class State(enum.Enum):
@@ -44,6 +66,9 @@ class _Lookup:
     submit: Any                       # ReplyFuture of LOOKUP's acknowledgement
     query: Any = None                 # ReplyFuture of QUERY_PREFETCH_STATUS
     chunks: int | None = None         # the answer; 0 after an error
+    #: The answer timed out, but the server may hold read locks for it: asked again
+    #: (until this monotonic time) and freed once it says how many.
+    settle_until: float = 0.0
 
 
 @dataclass
@@ -52,6 +77,9 @@ class Tracker:
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
     salt: str
+    #: vLLM's Request (this is the scheduler's process): its token list grows as it
+    #: decodes, which the stores of ``save_decode_cache`` need.
+    request: Any = None
     state: State = State.LOOKUP
     lookups: dict[str, _Lookup] = field(default_factory=dict)
     lookup_end: int = 0               # the chunk-aligned prefix looked up
@@ -60,15 +88,20 @@ class Tracker:
     stored: int = 0                   # tokens [0, stored) need no STORE
     scheduled: int = 0
     block_ids: list[int] = field(default_factory=list)
+    stores_ordered: bool = False      # a STORE went to the workers
+    load_ordered: bool = False        # a RETRIEVE went out, not yet reported done
+    frees: list[Any] = field(default_factory=list)  # this request's FREE replies
 
 
 class SchedulerSide:
     """``clients`` maps each server URL to a lmcache_mp ``Client`` (or a fake);
-    ``kv_world_size`` is the KV world size each server sees."""
+    ``kv_world_size`` is the KV world size each server sees; ``kv_role`` vLLM's
+    (``kv_both``, ``kv_producer``: stores only, ``kv_consumer``: loads only)."""
 
     def __init__(self, cfg: ConnectorConfig, clients: dict[str, Any], *, model_name: str,
                  kv_world_size: int, block_size: int, lookup_tp_size: int = 1,
-                 mla: bool = False, start_health: bool = True) -> None:
+                 mla: bool = False, start_health: bool = True,
+                 kv_role: str = "kv_both") -> None:
         self.cfg = cfg
         self.clients = clients
         self.model_name = model_name
@@ -78,10 +111,17 @@ class SchedulerSide:
         self.lookup_tp_size = lookup_tp_size
         #: A pure-MLA cache: every TP rank on a server reads each chunk (read locks).
         self.mla = mla
+        self.loads = kv_role != "kv_producer"
+        self.stores = kv_role != "kv_consumer"
         self.trackers: dict[str, Tracker] = {}
         self.chunk_size: int | None = None
         self.healthy = {url: False for url in clients}
         self._background: list[Any] = []  # fire-and-forget futures, reaped each step
+        #: Finished requests the workers must report "finished sending" (next step).
+        self._held: list[str] = []
+        #: Finished requests not yet done with the server: a RETRIEVE to order, a load
+        #: to be reported, lookups to settle, frees to be answered; then END_SESSION.
+        self._finishing: list[Tracker] = []
         self._stop = threading.Event()
         self._health_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -119,17 +159,35 @@ class SchedulerSide:
         return self.chunk_size is not None and all(self.healthy.values())
 
     def shutdown(self) -> None:
+        """Stop the health probes; end the sessions still waiting for their frees
+        (within ``lookup_timeout``)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.cfg.health_interval + 5)
+        deadline = time.monotonic() + self.cfg.lookup_timeout
+        while self._finishing and time.monotonic() < deadline:
+            for t in self._finishing:
+                t.state, t.load_ordered = State.READY, False  # no more steps
+                for lk in t.lookups.values():
+                    lk.settle_until = 0.0
+            self._advance_finishing()
+            if self._finishing:
+                time.sleep(0.01)
 
     # -------------------------------------------------------------- trackers
     def _tracker(self, request: Any) -> Tracker:
         t = self.trackers.get(request.request_id)
+        if t is not None and t.state is not State.LOOKUP and _preempted(request):
+            # Preempted: vLLM freed its blocks and schedules it again from its own
+            # prefix cache; look it up again (what it stored is on the server), as
+            # LMCache's connector does. Its server session goes on (same request id).
+            log.debug("lmcache_mp connector: request %s was preempted; looking it up "
+                      "again", request.request_id)
+            t = None
         if t is None:
             salt = getattr(request, "cache_salt", None) or ""
             t = Tracker(request.request_id, tuple(request.all_token_ids),
-                        int(request.num_prompt_tokens), salt)
+                        int(request.num_prompt_tokens), salt, request)
             reason = _bypass_reason(request, salt)
             if reason:
                 log.debug("lmcache_mp connector: request %s bypasses the cache: %s",
@@ -151,14 +209,12 @@ class SchedulerSide:
             return 0, False
         if t.state is not State.LOOKUP:
             if request.num_computed_tokens == 0:
-                # Scheduled again from scratch: after a failed load (vLLM freed the
-                # blocks) or a preemption. Recompute without the cache, as LMCache's
-                # connector does; what it computes is stored again (the server keeps
-                # one copy).
+                # Scheduled again from scratch after a failed load (vLLM freed the
+                # blocks): recompute without the cache, as LMCache's connector does;
+                # what it computes is stored again (the server keeps one copy).
                 if (t.hit or 0) > 0:
                     log.warning("lmcache_mp connector: request %s is recomputed without "
-                                "the cache (its KV load failed or it was preempted)",
-                                t.request_id)
+                                "the cache (its KV load failed)", t.request_id)
                 t.state, t.hit, t.stored, t.scheduled = State.READY, 0, 0, 0
                 t.block_ids.clear()
                 t.vllm_hit = num_computed_tokens - num_computed_tokens % self.block_size
@@ -182,7 +238,7 @@ class SchedulerSide:
         chunk = self.chunk_size
         if not t.lookups:
             end = 0 if chunk is None else len(t.token_ids) // chunk * chunk
-            if end == 0 or not self.all_healthy():
+            if end == 0 or not self.loads or not self.all_healthy():
                 t.hit = 0
                 return
             t.lookup_end = end
@@ -208,6 +264,9 @@ class SchedulerSide:
         t.hit = least * chunk
 
     def _poll(self, url: str, t: Tracker, lk: _Lookup) -> None:
+        """Advance one lookup without blocking: its answer in ``lk.chunks`` once known
+        (0 after an error; after a timeout the answer is also awaited in the
+        background: :meth:`_settle`)."""
         client = self.clients[url]
         try:
             if lk.query is None:
@@ -226,19 +285,49 @@ class SchedulerSide:
                     t.request_id, timeout=self.cfg.lookup_timeout)
                 return
             lk.chunks = int(chunks)
+        except RequestTimeout as err:
+            # The server may have taken (and may still take) read locks for it.
+            log.warning("lmcache_mp connector: lookup of %s on %s timed out (%s); no hit, "
+                        "its locks are freed when the server answers", t.request_id, url,
+                        err)
+            lk.chunks, lk.query, lk.settle_until = 0, None, time.monotonic() + SETTLE_S
         except LMCacheMPError as err:
             log.warning("lmcache_mp connector: lookup of %s on %s failed (%s); no hit",
                         t.request_id, url, err)
             lk.chunks = 0
+
+    def _settle(self, url: str, t: Tracker, lk: _Lookup) -> None:
+        """A timed-out lookup: ask the server again how many chunks it locked, and free
+        them once it says (gives up at ``settle_until``: the server's TTL remains)."""
+        if not self.healthy.get(url) or time.monotonic() > lk.settle_until:
+            lk.settle_until = 0.0  # a server gone or restarted holds no locks of it
+            return
+        client = self.clients[url]
+        try:
+            if lk.query is None:
+                lk.query = client.query_prefetch_status_async(
+                    t.request_id, timeout=self.cfg.lookup_timeout)
+            if not lk.query.done():
+                return
+            chunks = lk.query.result()
+        except LMCacheMPError:
+            lk.query = None  # asked again next step
+            return
+        lk.query = None
+        if chunks is None:
+            return  # still running: ask again
+        lk.settle_until = 0.0
+        self._free(url, t, 0, int(chunks) * (self.chunk_size or 1))
 
     def _free(self, url: str, t: Tracker, start: int, end: int) -> None:
         if end <= start or not self.healthy.get(url):
             return
         key = self._key(t, start, end)
         client = self.clients[url]
-        self._send(lambda: client.free_lookup_locks_async(key, self.lookup_tp_size,
-                                                          timeout=self.cfg.lookup_timeout,
-                                                          mla=self.mla))
+        future = _try(lambda: client.free_lookup_locks_async(
+            key, self.lookup_tp_size, timeout=self.cfg.lookup_timeout, mla=self.mla))
+        if future is not None:
+            t.frees.append(future)
 
     def _send(self, submit: Callable[[], Any]) -> None:
         future = _try(submit)
@@ -270,15 +359,10 @@ class SchedulerSide:
     def build_step(self, scheduler_output: Any) -> StepOps:
         self._background = [f for f in self._background if not f.done()]
         step = StepOps(flush_stores=bool(getattr(scheduler_output, "preempted_req_ids", None)))
-        chunk = self.chunk_size
-        for t in self.trackers.values():
+        step.held, self._held = self._held, []
+        for t in [*self.trackers.values(), *self._finishing]:
             if t.state is State.LOADING:
-                t.state = State.READY
-                assert chunk is not None and t.hit is not None
-                start = t.vllm_hit // chunk * chunk
-                step.ops.append(TransferOp(
-                    "RETRIEVE", t.request_id, t.token_ids, start, t.hit,
-                    self._blocks(t, start, t.hit), t.salt, t.vllm_hit - start))
+                step.ops.append(self._retrieve_op(t))
         for new in scheduler_output.scheduled_new_reqs:
             self._scheduled(step, new.req_id, scheduler_output, None)
         cached = scheduler_output.scheduled_cached_reqs
@@ -291,7 +375,20 @@ class SchedulerSide:
                 tracker.block_ids = extra  # a resumed request's list is whole, not a delta
                 extra = None
             self._scheduled(step, rid, scheduler_output, extra)
+        for t in self.trackers.values():
+            for url, lk in t.lookups.items():
+                if lk.settle_until:
+                    self._settle(url, t, lk)
+        self._advance_finishing()
         return step
+
+    def _retrieve_op(self, t: Tracker) -> TransferOp:
+        t.state, t.load_ordered = State.READY, True
+        chunk = self.chunk_size
+        assert chunk is not None and t.hit is not None
+        start = t.vllm_hit // chunk * chunk
+        return TransferOp("RETRIEVE", t.request_id, t.token_ids, start, t.hit,
+                          self._blocks(t, start, t.hit), t.salt, t.vllm_hit - start)
 
     def _scheduled(self, step: StepOps, rid: str, out: Any, new_blocks: list[int] | None
                    ) -> None:
@@ -304,13 +401,21 @@ class SchedulerSide:
         op = self._store_op(t)
         if op is not None:
             step.ops.append(op)
+            t.stores_ordered = True
 
     def _store_op(self, t: Tracker) -> TransferOp | None:
         chunk = self.chunk_size
-        if t.state is State.BYPASS or chunk is None or not self.all_healthy():
+        if (t.state is State.BYPASS or not self.stores or chunk is None
+                or not self.all_healthy()):
             return None
+        if self.cfg.save_decode_cache and t.request is not None:
+            tokens = t.request.all_token_ids
+            if len(tokens) > len(t.token_ids):  # decoded since: the key covers them too
+                t.token_ids = tuple(tokens)
+            limit = len(t.token_ids)
+        else:
+            limit = t.num_prompt_tokens
         computed = t.scheduled + max(t.vllm_hit, t.hit or 0)
-        limit = len(t.token_ids) if self.cfg.save_decode_cache else t.num_prompt_tokens
         ready = min(limit, len(t.token_ids), len(t.block_ids) * self.block_size, computed)
         n = (ready - t.stored) // chunk
         if n < 1:
@@ -323,22 +428,68 @@ class SchedulerSide:
         return tuple(t.block_ids[start // self.block_size: end // self.block_size])
 
     # -------------------------------------------------------------- finishing
+    def update_connector_output(self, finished_recving: Iterable[str] | None) -> None:
+        """The workers' reports of a step: loads that are done (all ranks)."""
+        done = set(finished_recving or ())
+        if done:
+            for t in [*self.trackers.values(), *self._finishing]:
+                if t.request_id in done:
+                    t.load_ordered = False
+            self._advance_finishing()
+
     def request_finished(self, request: Any) -> bool:
-        """Forget the request and end its server sessions. True: vLLM keeps its blocks
-        until the workers report its stores done (they report every request)."""
+        """Forget the request; end its server sessions once nothing of it is in flight.
+        True: vLLM keeps its blocks until the workers report its stores done (they
+        are told which requests those are in the next step's ``held``)."""
         t = self.trackers.pop(request.request_id, None)
-        if t is not None and t.state is State.LOOKUP and t.lookups:
+        if t is None:
+            return False
+        self._end(t)
+        hold = t.stores_ordered and not t.load_ordered and t.state is not State.LOADING
+        if hold:
+            self._held.append(t.request_id)
+        return hold
+
+    def _end(self, t: Tracker) -> None:
+        """Release what the request holds on the servers, and end its sessions when
+        that is done (:meth:`_advance_finishing`)."""
+        if t.state is State.LOOKUP and t.lookups:
             # Finished (aborted) before its blocks were allocated: release the locks
             # its lookup took (all it may take while the answer is not in).
             for url, lk in t.lookups.items():
+                if lk.settle_until:
+                    continue  # freed when the server answers
                 chunks = lk.chunks if lk.chunks is not None else t.lookup_end // (
                     self.chunk_size or 1)
                 self._free(url, t, 0, chunks * (self.chunk_size or 1))
-        for url, client in self.clients.items():
-            if self.healthy.get(url) and t is not None and t.state is not State.BYPASS:
-                self._send(functools.partial(client.end_session_async, request.request_id,
-                                             timeout=self.cfg.lookup_timeout))
-        return True
+        if t.state is not State.BYPASS:
+            # A LOADING tracker's RETRIEVE is still ordered (next step): vLLM waits
+            # for its report, and the RETRIEVE consumes the lookup's read locks.
+            self._finishing.append(t)
+            self._advance_finishing()
+
+    def _advance_finishing(self) -> None:
+        """END_SESSION for every finished request that has nothing left in flight."""
+        left = []
+        for t in self._finishing:
+            for url, lk in t.lookups.items():
+                if lk.settle_until:
+                    self._settle(url, t, lk)
+            t.frees = [f for f in t.frees if not f.done()]
+            if (t.state is State.LOADING or t.load_ordered or t.frees
+                    or any(lk.settle_until for lk in t.lookups.values())):
+                left.append(t)
+                continue
+            for url, client in self.clients.items():
+                if self.healthy.get(url):
+                    self._send(functools.partial(client.end_session_async, t.request_id,
+                                                 timeout=self.cfg.lookup_timeout))
+        self._finishing = left
+
+
+def _preempted(request: Any) -> bool:
+    status = getattr(request, "status", None)
+    return getattr(status, "name", None) == "PREEMPTED"
 
 
 def _try(submit: Callable[[], Any]) -> Any:

@@ -1,10 +1,12 @@
 """The worker side: one registration per rank, RETRIEVE / STORE as ordered, results.
 
-Transfers are submitted without waiting (retrieves when the step's metadata arrives,
-stores after the forward pass) and collected in :meth:`WorkerSide.get_finished`, which
-only polls. A request vLLM reported finished is reported back once its stores are
-done; a failed or dropped RETRIEVE reports its blocks through
-:meth:`load_errors` so vLLM recomputes them. While the client's heartbeat says the
+Transfers are submitted without waiting (retrieves in ``start_load_kv``, stores after
+the forward pass) and collected in :meth:`WorkerSide.get_finished`, which only polls.
+A request the scheduler holds (``StepOps.held``: vLLM keeps its blocks for its stores)
+is reported "finished sending" once its stores on this rank are done, and no other
+request is; every RETRIEVE, done or failed, is reported "finished receiving" (vLLM
+waits for that report, also for an aborted request); a failed or dropped RETRIEVE
+reports its blocks through :meth:`load_errors` so vLLM recomputes them. While the client's heartbeat says the
 server is down nothing is sent (loads fail at once, stores are skipped), so a dead
 server never holds the forward pass; the registration re-registers itself when the
 server is back (lmcache_mp's recovery).
@@ -57,7 +59,7 @@ class WorkerSide:
         self.stream: Any = None
         self._loads: dict[str, list[tuple[Any, tuple[int, ...]]]] = {}
         self._stores: dict[str, list[Any]] = {}
-        self._finished: set[str] = set()   # vLLM says finished; stores may still run
+        self._held: set[str] = set()  # to report "finished sending" once stored
         self._errors: set[int] = set()
         #: Counters for tests and logs.
         self.stats = {"retrieved": 0, "stored": 0, "load_errors": 0, "store_errors": 0,
@@ -99,6 +101,8 @@ class WorkerSide:
 
     # -------------------------------------------------------------- transfers
     def start_loads(self, step: StepOps) -> None:
+        """The step's RETRIEVEs (and which finished requests to report once stored)."""
+        self._held.update(step.held)
         for op in step.retrieves():
             future = None
             if self._usable():
@@ -146,9 +150,9 @@ class WorkerSide:
 
     # ---------------------------------------------------------------- results
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """(requests whose stores are done after vLLM finished them, requests whose
-        loads are done). Only polls: nothing here waits on the server."""
-        self._finished |= set(finished_req_ids)
+        """(held requests whose stores are done, requests whose loads are done). Only
+        polls: nothing here waits on the server. ``finished_req_ids`` (vLLM's) is not
+        needed: the scheduler says which finished requests wait for their stores."""
         for rid in list(self._stores):
             left = []
             for future in self._stores[rid]:
@@ -160,8 +164,8 @@ class WorkerSide:
                 self._stores[rid] = left
             else:
                 del self._stores[rid]
-        sending = {rid for rid in self._finished if rid not in self._stores}
-        self._finished -= sending
+        sending = {rid for rid in self._held if rid not in self._stores}
+        self._held -= sending
         recving = set()
         for rid in list(self._loads):
             loads = self._loads[rid]

@@ -153,6 +153,8 @@ class CudaKVCache:
         dtype: str = "bfloat16",
         mla: bool = False,
         layout: KVLayout = "HND",
+        fused: bool = False,
+        block_stride: int = 0,
         device: int = 0,
         keepalive: object = None,
         wrapper: WrapperFormat = "auto",
@@ -161,7 +163,10 @@ class CudaKVCache:
         torch_layers: Sequence[Any] | None = None,
     ) -> CudaKVCache:
         """Register memory the caller owns, one device pointer per layer (dense, in
-        ``layout``, or MLA, as in the class docstring). ``keepalive`` is held until close;
+        ``layout``, or MLA, as in the class docstring; ``fused``: one plane of
+        ``[num_blocks, heads, block_size, head_dim]`` (HND) or ``[num_blocks,
+        block_size, heads, head_dim]`` (NHD), blocks ``block_stride`` elements apart
+        when not dense). ``keepalive`` is held until close;
         ``torch_layers``, if given, are returned by :attr:`torch_layers`. A pointer may
         sit inside a larger allocation (PyTorch's caching allocator): every form but
         LMCache 0.5.3's ``raw`` carries the offset, and that one refuses at REGISTER."""
@@ -169,7 +174,7 @@ class CudaKVCache:
         if not ptrs:
             raise InvalidArgument("ptrs must hold one device pointer per layer (got none)")
         geometry = checked_geometry(len(ptrs), num_blocks, block_size, num_heads, head_dim,
-                                    dtype, mla, layout)
+                                    dtype, mla, layout, fused, block_stride)
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
@@ -206,21 +211,26 @@ class CudaKVCache:
         *,
         layout: KVLayout = "HND",
         mla: bool = False,
+        fused: bool = False,
         wrapper: WrapperFormat = "auto",
         wait_host: bool = False,
         driver: CudaDriver | None = None,
     ) -> CudaKVCache:
         """Register caller-owned CUDA torch tensors, one per layer (same shape, strides,
-        dtype, device) shaped in ``layout`` (or MLA). The memory may be dense in the
-        other order (a permuted view): the cache takes the layout the strides show
-        (:attr:`kv_layout`). Views into one allocation are fine (:mod:`.torch_layers`)."""
+        dtype, device) shaped in ``layout`` (or MLA; or vLLM 0.32+'s fused K/V layers
+        ``[num_blocks, heads, block_size, 2 * head_size]`` with ``fused``, whose
+        blocks may be dense or blocks-first). The memory may be dense in the other
+        order (a permuted view): the cache takes the layout the strides show
+        (:attr:`kv_layout`). Views into one allocation are fine (:mod:`.torch_layers`).
+        A blocks-first fused cache moves engine-driven only (:attr:`server_mappable`)."""
         layers = list(layers)
-        found = torch_layer_layout(layers, mla, layout)
+        found = torch_layer_layout(layers, mla, layout, fused)
         num_blocks, num_heads, block_size, head_dim = found.dims
         return cls.from_pointers(
             [int(t.data_ptr()) for t in layers], num_blocks=num_blocks,
             block_size=block_size, num_heads=num_heads, head_dim=head_dim, dtype=found.dtype,
-            mla=mla, layout=found.layout, device=found.device, keepalive=layers,
+            mla=mla, layout=found.layout, fused=fused and not mla,
+            block_stride=found.block_stride, device=found.device, keepalive=layers,
             wrapper=wrapper, wait_host=wait_host, driver=driver, torch_layers=layers)
 
     # --------------------------------------------------------------- views
@@ -260,9 +270,11 @@ class CudaKVCache:
     def server_mappable(self) -> bool:
         """Whether a released LMCache server can map every layer: a legacy handle, or a
         VMM fabric export. A POSIX-fd VMM export is exportable, but no release ships the
-        fd hand-off it needs, so ``mode="auto"`` registers such a cache engine-driven."""
-        return all(e.handle or (e.vmm is not None and e.vmm.kind == "fabric")
-                   for e in self._exports)
+        fd hand-off it needs, so ``mode="auto"`` registers such a cache engine-driven;
+        so is a blocks-first fused cache (see :meth:`export_layers`)."""
+        return not self.geometry.block_stride and all(
+            e.handle or (e.vmm is not None and e.vmm.kind == "fabric")
+            for e in self._exports)
 
     @property
     def unlinked(self) -> bool:
@@ -281,6 +293,14 @@ class CudaKVCache:
     # ------------------------------------------------ ExportableKVCache
     def export_layers(self) -> list[LayerExport]:
         self._check_open()
+        if self.geometry.block_stride:
+            # LMCache's servers read blocks-first fused views from 0.5.5 only, and its
+            # raw / VMM wrappers rebuild only dense tensors before 0.5.7rc2: not sent.
+            raise InvalidArgument(
+                "this KV cache is in a blocks-first layout (vLLM's BLHNC / BLNHC: every "
+                "layer's blocks interleaved in one page), which lmcache_mp registers "
+                "engine-driven only: use mode='engine' (or 'auto'), or a layer-compact "
+                "layout (VLLM_KV_CACHE_LAYOUT=LBNHC or LBHNC)")
         if not self.ipc_exportable:
             reasons = sorted({e.local_reason for e in self._exports if e.local_reason})
             raise InvalidArgument(

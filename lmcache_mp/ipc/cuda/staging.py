@@ -19,7 +19,9 @@ and COMMIT_*, after every slot was checked):
   a ``cudaMemcpy2DAsync`` per block of the run if the driver refuses 3-D copies; an NHD
   block ``[block_size, heads * head_dim]`` is one contiguous run of the chunk, and so
   are blocks with one head or MLA: one 1-D copy per (K/V, layer, run of consecutive
-  block ids).
+  block ids). vLLM's fused K/V layers are one plane planned the same way (their
+  objects are ``[layers, tokens, heads * C]``); blocks-first ones have their blocks a
+  page apart, so a run of blocks is never one copy there.
 * the copies go on the caller's stream, after the work already queued there (the
   engine's writes of the blocks), and that stream is synchronised before returning:
   for STORE because COMMIT_STORE publishes the slots, for RETRIEVE because
@@ -97,7 +99,7 @@ def _block_major(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
     pos = np.arange(len(ids), dtype=np.int64)
     layers = np.asarray(layer_ptrs, dtype=np.int64)
     nl = len(layers)
-    if not g.mla and g.layout == "NHD":
+    if not g.mla and not g.fused and g.layout == "NHD":
         # layer [2, num_blocks, block_size, heads * head_dim]: a block is one row of
         # block_size * heads * head_dim, as is its run of the chunk's tokens
         row = g.block_size * g.hidden_dim * it
@@ -108,14 +110,24 @@ def _block_major(g: KVGeometry, layer_ptrs: Sequence[int], ids: np.ndarray,
             * g.hidden_dim * it
         shape = (2 * nl, len(ids), 1)
         return dev.reshape(shape), obj.reshape(shape), row, 1, row, row
-    if g.mla:
+    if g.mla or (g.fused and (g.layout == "NHD" or g.num_heads == 1)):
         # layer [blocks, block_size, head_dim] -> object [layers, tokens, head_dim]
-        row = g.block_size * g.head_dim * it
-        dev = layers[:, None] + ids[None, :] * row
+        # (fused NHD: a block [block_size, heads, C] -> [layers, tokens, heads * C])
+        row = g.block_size * g.hidden_dim * it
+        dev = layers[:, None] + ids[None, :] * g.block_step * it
         obj = (np.arange(nl, dtype=np.int64)[:, None] * chunk_tokens
-               + pos[None, :] * g.block_size) * g.head_dim * it
+               + pos[None, :] * g.block_size) * g.hidden_dim * it
         return dev[:, :, None], obj[:, :, None], row, 1, row, row
     h, bs, d = g.num_heads, g.block_size, g.head_dim
+    if g.fused:
+        # layer [blocks, heads, block_size, C] (HND interior), one plane
+        lay1 = np.arange(nl, dtype=np.int64)[:, None, None]
+        heads1 = np.arange(h, dtype=np.int64)[None, None, :]
+        dev = (layers[:, None, None] + ids[None, :, None] * g.block_step * it
+               + heads1 * bs * d * it)
+        obj = ((lay1 * chunk_tokens + pos[None, :, None] * bs) * h * d * it
+               + heads1 * d * it)
+        return dev, obj, d * it, bs, d * it, h * d * it
     kv = np.arange(2, dtype=np.int64)[:, None, None, None]
     lay = np.arange(nl, dtype=np.int64)[None, :, None, None]
     heads = np.arange(h, dtype=np.int64)[None, None, None, :]
@@ -145,7 +157,11 @@ def _build(g: KVGeometry, layer_ptrs: Sequence[int],
     width = height = bpitch = cpitch = 0
     for ids, skip, addr in chunks:
         dev, obj, width, height, bpitch, cpitch = _block_major(g, layer_ptrs, ids, chunk_tokens)
-        if deep:
+        if deep and g.block_stride:
+            # blocks a page apart on the device side only: one 2-D copy per block
+            dev, obj = dev[:, skip:, :], obj[:, skip:, :]
+            depths.append(np.ones(dev.size, np.int64))
+        elif deep:
             runs = block_runs(np.asarray(ids[skip:], dtype=np.int64))
             at = np.array([skip + p for p, _, _ in runs], dtype=np.int64)
             n = np.array([n for _, _, n in runs], dtype=np.int64)

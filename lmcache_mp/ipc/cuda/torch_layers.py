@@ -10,6 +10,13 @@ HND order (else it is refused, saying which strides were seen), and the cache is
 registered with that layout. Layers may be views into one shared allocation (each at
 its own offset: every wrapper form but LMCache 0.5.3's ``raw`` carries it).
 
+vLLM 0.32+'s fused K/V layers (``fused=True``: 4-D ``[num_blocks, heads, block_size,
+2 * head_size]`` views of one allocation, see ``integrations/vllm/kv_caches.py``) may
+be in any of vLLM's layouts: each block's interior dense in HND (``[heads,
+block_size, C]``) or NHD (``[block_size, heads, C]``) order, and the blocks either
+dense (a layer-compact layout) or a fixed stride apart (blocks-first layouts, where
+every layer's block shares one page).
+
 Never imports torch: the tensors are read through ``shape``, ``stride()``, ``dtype``,
 ``device`` and ``data_ptr()`` only.
 """
@@ -28,12 +35,14 @@ __all__ = ["TorchLayers", "torch_layer_layout", "dense", "torch_views", "checked
 
 class TorchLayers(NamedTuple):
     """What ``from_torch`` registers: the dtype name, ``(num_blocks, num_heads,
-    block_size, head_dim)``, the device index and the physical layout of the memory."""
+    block_size, head_dim)``, the device index, the physical layout of the memory and
+    (fused layers) the elements between blocks when they are not dense (0)."""
 
     dtype: str
     dims: tuple[int, int, int, int]
     device: int
     layout: KVLayout
+    block_stride: int = 0
 
 
 def dense(shape: Sequence[int], strides: Sequence[int]) -> bool:
@@ -76,11 +85,44 @@ def _physical(i: int, shape: tuple[int, ...], strides: tuple[int, ...],
         f"its own dense [2, num_blocks, ...] memory, or .contiguous() copies")
 
 
-def torch_layer_layout(layers: list[Any], mla: bool, layout: KVLayout) -> TorchLayers:
+def _fused(shape: tuple[int, ...], strides: tuple[int, ...], layout: KVLayout
+           ) -> tuple[tuple[int, int, int, int], KVLayout, int]:
+    """(num_blocks, heads, block_size, C), the physical order of each block's interior
+    and the block stride (0: dense) of a fused layer of logical ``layout``."""
+    if len(shape) != 4:
+        raise InvalidArgument(f"fused K/V layers are 4-D [num_blocks, heads, block_size, "
+                              f"2 * head_size], got {shape}")
+    if layout == "HND":
+        nb, heads, bs, c = shape
+        sb, sh, sn, sc = strides
+    else:
+        nb, bs, heads, c = shape
+        sb, sn, sh, sc = strides
+    page = heads * bs * c
+    interior: KVLayout | None
+    if sc != 1 or c < 1:
+        interior = None
+    elif (heads == 1 or sh == bs * c) and (bs == 1 or sn == c):
+        interior = "HND"
+    elif (heads == 1 or sh == c) and (bs == 1 or sn == heads * c):
+        interior = "NHD"
+    else:
+        interior = None
+    if interior is None or (nb > 1 and sb < page):
+        raise InvalidArgument(
+            f"fused K/V layer shape {shape} ({layout}) with strides {strides} (elements): "
+            f"each block must be dense in HND or NHD order and blocks must not overlap, "
+            f"as in every layout vLLM allocates")
+    return (nb, heads, bs, c), interior, (0 if nb == 1 or sb == page else sb)
+
+
+def torch_layer_layout(layers: list[Any], mla: bool, layout: KVLayout,
+                       fused: bool = False) -> TorchLayers:
     """What :meth:`CudaKVCache.from_torch` needs from caller-owned CUDA tensors, checked:
     one per layer, same shape, strides, dtype and device; 5-D layers of logical
-    ``layout`` dense in NHD or HND order (MLA ``[num_blocks, block_size, head_dim]``:
-    contiguous)."""
+    ``layout`` dense in NHD or HND order (MLA ``[num_blocks, block_size, head_dim]``,
+    or vLLM 0.32's ``[num_blocks, 1, block_size, head_dim]``: contiguous); ``fused``
+    4-D layers as the module docstring says."""
     if not layers:
         raise InvalidArgument("layers must hold one CUDA tensor per layer (got none)")
     if layout not in ("HND", "NHD"):
@@ -101,6 +143,12 @@ def torch_layer_layout(layers: list[Any], mla: bool, layout: KVLayout) -> TorchL
     dtype = str(first.dtype).removeprefix("torch.")
     index = first.device.index
     device_index = 0 if index is None else int(index)
+    if mla and len(shape) == 4 and shape[1] == 1:
+        # vLLM 0.32+: one head, [num_blocks, 1, block_size, latent]: the same memory.
+        shape, strides0 = shape[:1] + shape[2:], strides0[:1] + strides0[2:]
+    if fused and not mla:
+        dims, physical, block_stride = _fused(shape, strides0, layout)
+        return TorchLayers(dtype, dims, device_index, physical, block_stride)
     if mla:
         if len(shape) != 3:
             raise InvalidArgument(
@@ -127,7 +175,8 @@ def torch_layer_layout(layers: list[Any], mla: bool, layout: KVLayout) -> TorchL
 
 
 def checked_geometry(num_layers: int, num_blocks: int, block_size: int, num_heads: int,
-                     head_dim: int, dtype: str, mla: bool, layout: KVLayout) -> KVGeometry:
+                     head_dim: int, dtype: str, mla: bool, layout: KVLayout,
+                     fused: bool = False, block_stride: int = 0) -> KVGeometry:
     """A CUDA cache's geometry from its builders' arguments, checked."""
     one_of("layout", layout, ("HND", "NHD"))
     if dtype not in STORAGE_DTYPES:
@@ -135,10 +184,17 @@ def checked_geometry(num_layers: int, num_blocks: int, block_size: int, num_head
             f"dtype {dtype!r} is not supported; use one of {', '.join(STORAGE_DTYPES)}")
     if mla and num_heads != 1:
         raise InvalidArgument("an MLA cache has one latent head: pass num_heads=1")
+    if mla and fused:
+        raise InvalidArgument("a cache is MLA or fused K/V, not both")
+    if block_stride and (not fused or block_stride < block_size * num_heads * head_dim):
+        raise InvalidArgument(
+            f"block_stride={block_stride} is for fused layers whose blocks are further "
+            f"apart than their own {block_size * num_heads * head_dim} elements")
     return KVGeometry(
         positive_int("num_layers", num_layers), positive_int("num_blocks", num_blocks),
         positive_int("block_size", block_size), positive_int("num_heads", num_heads),
-        positive_int("head_dim", head_dim), dtype, bool(mla), "HND" if mla else layout)
+        positive_int("head_dim", head_dim), dtype, bool(mla), "HND" if mla else layout,
+        bool(fused), int(block_stride))
 
 
 class CudaArrayView:
