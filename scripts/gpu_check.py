@@ -24,6 +24,21 @@ Then UNREGISTER. Sides:
                           NHD copy plan reads the server's chunk objects) and compared.
                           The CPU dry run uses an NHD CpuKVCache (HND on 0.5.3 / 0.5.4,
                           whose CPU servers refuse NHD)
+* vllm_views / vllm_blocks_first:
+                          what the connector registers for vLLM 0.32's OWN KV caches:
+                          per-layer 4-D fused K/V views [blocks, heads, block_size,
+                          2 * head_size] of ONE allocation, with the shapes, strides and
+                          offsets vLLM's allocate_kv_cache made (recorded from vLLM in
+                          fixtures/vllm/kv_layouts.json by tools/gen_vllm_kv_layouts.py:
+                          8 layers, 8 KV heads of 128, blocks of 16), rebuilt with
+                          torch.as_strided and wrapped by the connector's wrap_layers.
+                          vllm_views: LBNHC (vLLM's default on a GPU), registered
+                          LMCache-driven, each key re-read engine-driven as nhd_views
+                          does (the server's GPU copy of fused layers must write the
+                          objects this client's plan reads); vllm_blocks_first: BLHNC
+                          (every layer's block in one page), engine-driven (the only mode
+                          lmcache_mp registers it in). Their own sizes (256 and 4096
+                          tokens; the dry run: the tiny recorded geometry, 256)
 * lmcache:                LMCache's own worker client (LMCacheDrivenTransferContext over
                           its MessageQueueClient (0.5.3) or RequestClient (0.5.6)),
                           the way vLLM's adapter drives it, producer event kept alive
@@ -64,7 +79,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-SIDES = ("torch_ipc", "raw", "auto", "lmcache", "engine", "nhd_views")
+SIDES = ("torch_ipc", "raw", "auto", "lmcache", "engine", "nhd_views", "vllm_views",
+         "vllm_blocks_first")
+VLLM_LAYOUTS = REPO / "fixtures" / "vllm" / "kv_layouts.json"
 MIN_SIDE_SECONDS = 15.0  # a side is not started with less time than this left
 
 
@@ -84,7 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a side still running after this long is recorded as hung")
     p.add_argument("--deadline", type=float, default=0.0,
                    help="wall-clock time (epoch seconds) by which this run must end")
-    p.add_argument("--sides", default="torch_ipc,raw,lmcache,engine,nhd_views",
+    p.add_argument("--sides", default=("torch_ipc,raw,lmcache,engine,nhd_views,vllm_views,"
+                                       "vllm_blocks_first"),
                    help=f"which clients to run, from {', '.join(SIDES)}")
     p.add_argument("--out", help="write the results as JSON here (after every side)")
     p.add_argument("--cpu-dry-run", action="store_true",
@@ -155,10 +173,28 @@ class Layout:
         self.num_blocks = nxt + 4  # trailing guard blocks
 
 
+def blocks_of(t: Any, idx: Any, axis: int) -> Any:
+    """The blocks ``idx`` of layer tensor ``t``, whose block axis is ``axis``."""
+    return t[idx] if axis == 0 else t[:, idx]
+
+
+def zero_blocks(t: Any, idx: Any, axis: int) -> None:
+    if axis == 0:
+        t[idx] = 0
+    else:
+        t[:, idx] = 0
+
+
 class Side:
     name = "?"
     chunk = 256
     layers: list[Any]
+    #: The block axis of ``layers``: 1 for [2, blocks, ...], 0 for vLLM's 4-D views.
+    block_axis = 1
+    #: A side with its own geometry sets these (else the run's).
+    layout: Layout | None = None
+    sizes: list[int] | None = None
+    bytes_per_token: int | None = None
 
     def register(self) -> float: raise NotImplementedError
     def store(self, tokens: list[int], size: int, blocks: list[int], rid: str) -> bool: ...
@@ -342,15 +378,17 @@ class NhdViewsSide(EngineSide):
                 self.engine_error = f"{type(exc).__name__}: {exc}"
         if self.engine_reg is None:
             return None
+        ax = self.block_axis
         for t in self.layers:
-            t[:, dst_i] = 0
+            zero_blocks(t, dst_i, ax)
         synchronize(self.args)
         if self.wait_visible(tokens, size, rid) * self.chunk < size:
             return False
         if not self.engine_reg.retrieve(self._key(tokens, size, rid), dst):
             return False
         synchronize(self.args)
-        return all(torch.equal(t.view(torch.int16)[:, src_i], t.view(torch.int16)[:, dst_i])
+        return all(torch.equal(blocks_of(t.view(torch.int16), src_i, ax),
+                               blocks_of(t.view(torch.int16), dst_i, ax))
                    for t in self.layers)
 
     def unregister(self) -> None:
@@ -362,6 +400,55 @@ class NhdViewsSide(EngineSide):
     def close(self) -> None:
         super().close()
         self.big = None
+
+
+class VllmViewsSide(NhdViewsSide):
+    """vLLM 0.32's own KV caches (the module docstring): the views its allocator made,
+    rebuilt from the recorded shapes, strides and offsets, wrapped as the connector
+    wraps them."""
+
+    block_axis = 0
+
+    def __init__(self, args: argparse.Namespace, model: str, vllm_layout: str) -> None:
+        import torch
+
+        from lmcache_mp import Client
+        from lmcache_mp.integrations.vllm.kv_caches import wrap_layers
+
+        geometry = "tiny" if args.cpu_dry_run else "gpu_check"
+        rec = next(x for x in json.loads(VLLM_LAYOUTS.read_text())
+                   if x["geometry"] == geometry and x["layout"] == vllm_layout
+                   and not x["mla"])
+        self.name = f"ours (vLLM {vllm_layout} views)"
+        self.args, self.model, self.reg = args, model, None
+        self.client = Client(args.url, timeout=args.request_timeout)
+        self.chunk = self.client.chunk_size()
+        bs = int(rec["block_size"])
+        self.sizes = [256] if geometry == "tiny" else [256, 4096]
+        self.layout = Layout(self.sizes, bs)
+        if self.layout.num_blocks != rec["num_blocks"]:
+            raise RuntimeError(f"the recorded {geometry} views have {rec['num_blocks']} "
+                               f"blocks, this side's sizes need {self.layout.num_blocks}")
+        self.bytes_per_token = (len(rec["layers"]) * rec["heads"] * 2 * rec["head_size"]
+                                * 2)
+        device = "cpu" if args.cpu_dry_run else "cuda"
+        self.big: Any = torch.zeros(rec["alloc_bytes"] // 2, dtype=torch.bfloat16,
+                                    device=device)
+        self.layers = [torch.as_strided(self.big, x["shape"], x["stride"],
+                                        x["storage_offset"]) for x in rec["layers"]]
+        self.cache = wrap_layers(self.layers, bs, "auto")
+        # Layer-compact on a GPU: the server maps the memory; blocks-first (and CPU
+        # memory, the dry run): engine-driven copies only.
+        self.mode = ("lmcache" if not args.cpu_dry_run and not vllm_layout.startswith("BL")
+                     else "engine")
+        self.instance_id = random.getrandbits(62)
+        self.registered = False
+
+    def cross_check(self, tokens: list[int], size: int, src_i: Any, dst_i: Any,
+                    dst: list[int], rid: str) -> bool | None:
+        if self.mode == "engine":  # the round trip was engine-driven already
+            return True
+        return super().cross_check(tokens, size, src_i, dst_i, dst, rid)
 
 
 class LMCacheSide(Side):
@@ -577,7 +664,6 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
     import torch
 
     res = run.res
-    bytes_per_token = 2 * args.layers * args.heads * args.head_dim * 2  # K+V, bf16
     rng = random.Random(seed)
     side: Side | None = None
     try:
@@ -590,10 +676,16 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
             side = EngineSide(args, layout, model)
         elif run.name == "nhd_views":
             side = NhdViewsSide(args, layout, model)
+        elif run.name in ("vllm_views", "vllm_blocks_first"):
+            side = VllmViewsSide(args, model, "LBNHC" if run.name == "vllm_views" else "BLHNC")
         else:
             side = OursSide(args, layout, run.name, model)
         run.side = side
         res["side"] = side.name
+        layout = side.layout or layout
+        ax = side.block_axis
+        bytes_per_token = side.bytes_per_token or (
+            2 * args.layers * args.heads * args.head_dim * 2)  # K+V, bf16
         dev = side.layers[0].device
         for t in side.layers:
             bits = t.view(torch.int16)
@@ -607,7 +699,7 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
             threading.Event().wait()  # GPU_CHECK_FAULT: a side that never returns
         res["register_ms"] = side.register() * 1e3
         ok = True
-        for size in args.sizes:
+        for size in side.sizes or args.sizes:
             src, dst = layout.ranges[size]
             src_i = torch.tensor(src, device=dev)
             dst_i = torch.tensor(dst, device=dev)
@@ -619,7 +711,7 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
                 rid = f"{model}-{size}-{rep}"
                 tokens = [rng.randrange(1, 100_000) for _ in range(size)]
                 for t in side.layers:  # the retrieve must write these
-                    t[:, dst_i] = 0
+                    zero_blocks(t, dst_i, ax)
                 snapshot = [t.view(torch.int16).clone() for t in side.layers]
                 synchronize(args)
                 res["step"] = f"store {size} tokens (rep {rep})"
@@ -637,9 +729,11 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
                     raise RuntimeError(f"RETRIEVE of {size} tokens answered ok=false")
                 retrieves.append(time.perf_counter() - start)
                 synchronize(args)
-                same = all(torch.equal(t.view(torch.int16)[:, src_i], t.view(torch.int16)[:, dst_i])
+                same = all(torch.equal(blocks_of(t.view(torch.int16), src_i, ax),
+                                       blocks_of(t.view(torch.int16), dst_i, ax))
                            for t in side.layers)
-                untouched = all(torch.equal(t.view(torch.int16)[:, keep], s[:, keep])
+                untouched = all(torch.equal(blocks_of(t.view(torch.int16), keep, ax),
+                                            blocks_of(s, keep, ax))
                                 for t, s in zip(side.layers, snapshot, strict=True))
                 res["checks"].append({"size": size, "rep": rep, "dst_equals_src": same,
                                       "others_untouched": untouched})

