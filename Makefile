@@ -55,7 +55,8 @@ test: setup oracle vllm-venv lint
 	echo "== vLLM $(VLLM_TREE)'s scheduler against LMCache $(lastword $(RELEASES))"
 	LMCACHE_MP_VLLM_VENV=$(CURDIR)/.venv-vllm-$(VLLM_TREE) \
 	  LMCACHE_MP_SERVER_VERSION=$(lastword $(RELEASES)) \
-	  $(VENV)/bin/python -m pytest -q -ra -m live tests/vllm/test_vllm_live.py
+	  $(VENV)/bin/python -m pytest -q -ra -m live tests/vllm/test_vllm_live.py \
+	  -k "not server"  # failure handling (servers down, restarted, two): on 0.32 (CI time)
 
 # Mutation testing (mutmut 3) of the protocol core, registration flows, key building,
 # hashing, the copy module and the pickle emitter against the offline suite only; not

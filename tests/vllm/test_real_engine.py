@@ -85,8 +85,9 @@ one_release = pytest.mark.skipif(not ONE_RELEASE, reason=(
     "several-process engines and the MLA model: run against 0.5.6 only (CI time; the "
     "harness tests run TP=2 and MLA against every release)"))
 edge_only = pytest.mark.skipif(not EDGE_RELEASE, reason=(
-    "release-independent (failure handling, aborts, preemption): run against 0.5.3 and "
-    "0.5.7rc2"))
+    "release-independent (chunked prefill, failure handling, aborts, preemption; the "
+    "harness runs the cross tests against every release): run against 0.5.3 and "
+    "0.5.7rc2 (CI time)"))
 
 
 def prompts(*seeds: int, chunks: int = 4) -> list[dict[str, Any]]:
@@ -280,6 +281,7 @@ def test_cold_and_loaded_engines_match_no_connector(
           f"to {reference['prefix_gap']:.2e} (vLLM's own cache too)")
 
 
+@edge_only
 def test_chunked_prefill_stores_and_loads(engines: Engines, server: LiveServer,
                                           chunked_reference: dict[str, Any]) -> None:
     """A prompt longer than vLLM's token budget a step (prefilled in three steps): each
@@ -323,6 +325,7 @@ def test_the_comparison_sees_a_wrong_load(engines: Engines, server: LiveServer,
                 or logprob_gap(got, want) > 10 * reference["prefix_gap"])
 
 
+@edge_only
 def test_cross_with_lmcaches_connector(engines: Engines, server: LiveServer,
                                        reference: dict[str, Any]) -> None:
     """Ours stores; LMCache's connector (a fresh engine) loads that and stores another

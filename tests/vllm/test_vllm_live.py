@@ -27,7 +27,7 @@ import pytest
 
 from tests.conftest import REPO, SERVER_SCRIPT, SERVER_VERSION, LiveServer, start_server
 from tests.live_helpers import both_modes_args
-from tests.vllm.engines import ZYGOTE, Zygote, engine_command, engine_env
+from tests.vllm.engines import ENGINE_LOGS, ZYGOTE, Zygote, engine_command, engine_env
 
 pytestmark = pytest.mark.live
 
@@ -95,6 +95,7 @@ def run_engine(tmp_path: Path, connector: str, urls: list[str], phases: list[dic
         raise AssertionError(f"harness failed ({why}):\n{stdout[-3000:]}\n{stderr[-6000:]}")
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):])
     result["log"] = stderr
+    ENGINE_LOGS.append((f"{connector} engine, tp={tp}, mla={mla}", stderr))
     return result
 
 

@@ -93,6 +93,11 @@ class WorkerSide:
     def _usable(self) -> bool:
         return self._ensure_registered() and bool(self.client.healthy)
 
+    def _unusable_reason(self) -> str:
+        if self.reg is None:
+            return f"the KV cache is not registered with {self.place.url} (yet)"
+        return f"the server at {self.place.url} is not answering heartbeats"
+
     def _key(self, op: TransferOp) -> CacheKey:
         return CacheKey(model_name=self.model_name, world_size=self.place.kv_world_size,
                         worker_id=self.place.kv_worker_id, token_ids=op.token_ids,
@@ -105,7 +110,10 @@ class WorkerSide:
         self._held.update(step.held)
         for op in step.retrieves():
             future = None
-            if self._usable():
+            if not self._usable():
+                log.warning("lmcache_mp connector: RETRIEVE %s not sent: %s; vLLM "
+                            "recomputes", op.request_id, self._unusable_reason())
+            else:
                 try:
                     future = self.reg.retrieve_async(
                         self._key(op), list(op.block_ids),
