@@ -271,12 +271,14 @@ def _counters(llm: Any) -> dict[str, Any]:
     for m in metrics:
         name = getattr(m, "name", "")
         if not (name.startswith("vllm:prompt_tokens") or "prefix_cache" in name
-                or name.startswith("vllm:num_preemptions")):
+                or name.startswith("vllm:num_preemptions")
+                or name.startswith("vllm:lmcache_mp_client_")):
             continue
         labels = getattr(m, "labels", {}) or {}
         key = name + "".join(f"[{v}]" for k, v in sorted(labels.items())
                              if k not in ("engine", "model_name"))
-        value = getattr(m, "value", None)
+        # A histogram (our connector's latencies): how many observations it holds.
+        value = getattr(m, "value", getattr(m, "count", None))
         if isinstance(value, (int, float)):
             out[key] = out.get(key, 0) + value
     return out

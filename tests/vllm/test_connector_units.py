@@ -676,3 +676,58 @@ def test_mla_lookups_declare_every_tp_rank_a_reader() -> None:
     assert s.get_num_new_matched_tokens(r, 2 * CHUNK) == (0, False)
     s.update_state_after_alloc(r, list(range(1, 13)), 0)
     assert c.lookup_kw == [(2, True)] and c.free_kw == [(2, True)]
+
+
+# ------------------------------------------------------------------ metrics
+def test_scheduler_metrics_count_lookups_and_hits_once_per_interval() -> None:
+    c = FakeClient(hits=2)
+    s = side(c)
+    r = request(3 * CHUNK + 10)
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * CHUNK, True)
+    s.get_num_new_matched_tokens(r, 0)  # asked again: the same lookup, not counted twice
+    data = s.metrics.take()
+    assert data is not None
+    assert (data["lookups"], data["lookup_tokens"], data["hit_tokens"]) == (1, 3 * CHUNK,
+                                                                           2 * CHUNK)
+    assert len(data["lookup_seconds"]) == 1 and data["lookup_seconds"][0] >= 0
+    assert s.metrics.take() is None  # taken: the next interval starts empty
+
+
+def test_worker_metrics_count_tokens_moved_and_failures() -> None:
+    reg = FakeReg()
+    w = worker(reg, FakeClient())
+    w.start_loads(StepOps([TransferOp("RETRIEVE", "a", tuple(range(CHUNK)), 0, CHUNK,
+                                      (1, 2, 3, 4), "", 2 * BS)]))
+    w.start_stores(StepOps([op("STORE", "b")]))
+    w.get_finished(set())
+    data = w.metrics.take()
+    assert data is not None
+    # The retrieve skipped vLLM's 2 blocks: it wrote CHUNK - 2 * BS tokens.
+    assert (data["loads"], data["loaded_tokens"]) == (1, CHUNK - 2 * BS)
+    assert (data["stores"], data["stored_tokens"]) == (1, CHUNK)
+    assert len(data["load_seconds"]) == len(data["store_seconds"]) == 1
+    reg.next = Future(False)
+    w.start_loads(StepOps([op("RETRIEVE", "c")]))
+    w.start_stores(StepOps([op("STORE", "d")]))
+    w.get_finished(set())
+    data = w.metrics.take()
+    assert data is not None
+    assert (data["loads"], data["load_failures"], data["loaded_tokens"]) == (0, 1, 0)
+    assert (data["stores"], data["store_failures"]) == (0, 1)
+
+
+def test_stats_aggregate_and_reduce_as_vllm_uses_them() -> None:
+    from lmcache_mp.integrations.vllm import stats
+
+    rank0 = {"loads": 1, "loaded_tokens": 256, "load_seconds": [0.002]}
+    rank1 = {"loads": 1, "loaded_tokens": 256, "load_seconds": [0.004]}
+    sched = {"lookups": 2, "lookup_tokens": 1024, "hit_tokens": 256, "lookup_seconds": [0.001]}
+    total = stats.aggregate(stats.aggregate(dict(rank0), rank1), sched)
+    assert total["loaded_tokens"] == 512 and total["load_seconds"] == [0.002, 0.004]
+    assert not stats.is_empty(total) and stats.is_empty({}) and stats.is_empty(
+        {"loads": 0, "load_seconds": []})
+    line = stats.reduce(total)
+    assert line["hit_rate"] == 0.25 and line["load_avg_ms"] == 3.0
+    assert line["lookup_avg_ms"] == 1.0 and "store_avg_ms" not in line
+    # Every Prometheus metric is fed by a key the sides record.
+    assert {m.key for m in stats.METRICS} <= set(stats.COUNTERS) | set(stats.DURATIONS)

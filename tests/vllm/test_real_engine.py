@@ -277,8 +277,24 @@ def test_cold_and_loaded_engines_match_no_connector(
     assert cached(warm) == [whole_chunks(p) for p in MAIN]
     assert stats(warm)["retrieved"] == 2 and stats(warm)["load_errors"] == 0
     same_output(warm["rounds"][0]["outputs"], reference["hit"]["main"], 0.0)
+    # What an operator sees: vLLM's Prometheus metrics carry the connector's stats
+    # (get_kv_connector_stats -> vLLM's stats loggers -> vllm:lmcache_mp_client_*).
+    stored, hit = client_metrics(cold), client_metrics(warm)
+    whole = sum(whole_chunks(p) for p in MAIN)
+    assert stored["stored_tokens"] == whole and stored["hit_tokens"] == 0, stored
+    assert stored["lookups"] == len(MAIN) and stored["store_duration_seconds"] >= 2
+    assert hit["hit_tokens"] == hit["loaded_tokens"] == whole, hit
+    assert hit["load_failures"] == 0 and hit["load_duration_seconds"] == 2, hit
     print(f"tolerance {reference['tolerance']}, a cached prefix moves logprobs by up "
           f"to {reference['prefix_gap']:.2e} (vLLM's own cache too)")
+
+
+def client_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """The engine's ``vllm:lmcache_mp_client_*`` metrics (counters' totals, histograms'
+    observation counts) as vLLM's own ``get_metrics`` reads them, names shortened."""
+    prefix = "vllm:lmcache_mp_client_"
+    return {k[len(prefix):].removesuffix("_total"): v
+            for k, v in result["counters"].items() if k.startswith(prefix)}
 
 
 @edge_only

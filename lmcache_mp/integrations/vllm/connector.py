@@ -8,7 +8,7 @@ Load it with ``--kv-transfer-config '{"kv_connector": "LMCacheMPConnector",
 0.33: ``supports_sleep_mode`` is False, so vLLM refuses sleep mode with it).
 MLA models (``model_config.use_mla``) follow LMCache's rules: see kv_caches.py and
 config.placement.
-The only module of lmcache_mp that imports vLLM.
+With metrics.py (imported here), the only modules of lmcache_mp that import vLLM.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ...client import Client
 from ...errors import InvalidArgument
 from .config import ConnectorConfig, placement
 from .kv_caches import check_one_group, mla_only, wrap_layers
+from .metrics import LMCacheMPClientPromMetrics, LMCacheMPClientStats
 from .ops import StepOps
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -174,6 +175,27 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request), None
+
+    # ================================================================ metrics
+    def get_kv_connector_stats(self) -> LMCacheMPClientStats | None:
+        """This side's observations since the last call (vLLM sums the workers' and the
+        scheduler's, logs them and, under ``vllm serve``, exports them): stats.py."""
+        side = self.worker if self.worker is not None else self.scheduler
+        data = side.metrics.take() if side is not None else None
+        return None if data is None else LMCacheMPClientStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> LMCacheMPClientStats:
+        return LMCacheMPClientStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> LMCacheMPClientPromMetrics:
+        return LMCacheMPClientPromMetrics(vllm_config, metric_types, labelnames,
+                                          per_engine_labelvalues)
 
     # ============================================================= vLLM 0.33
     @classmethod

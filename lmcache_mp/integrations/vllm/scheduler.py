@@ -44,6 +44,7 @@ from ...errors import LMCacheMPError, RequestTimeout
 from ...keys import CacheKey
 from .config import ConnectorConfig, salt_usable
 from .ops import StepOps, TransferOp
+from .stats import Counters
 
 __all__ = ["SchedulerSide", "State", "SETTLE_S"]
 
@@ -83,6 +84,7 @@ class Tracker:
     state: State = State.LOOKUP
     lookups: dict[str, _Lookup] = field(default_factory=dict)
     lookup_end: int = 0               # the chunk-aligned prefix looked up
+    lookup_sent: float = 0.0          # when (monotonic) the lookups went out
     hit: int | None = None            # tokens cached on every server (None: not known)
     vllm_hit: int = 0
     stored: int = 0                   # tokens [0, stored) need no STORE
@@ -122,6 +124,8 @@ class SchedulerSide:
         #: Finished requests not yet done with the server: a RETRIEVE to order, a load
         #: to be reported, lookups to settle, frees to be answered; then END_SESSION.
         self._finishing: list[Tracker] = []
+        #: What vLLM's stats loggers get (``get_kv_connector_stats``), per interval.
+        self.metrics = Counters()
         self._stop = threading.Event()
         self._health_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -241,7 +245,7 @@ class SchedulerSide:
             if end == 0 or not self.loads or not self.all_healthy():
                 t.hit = 0
                 return
-            t.lookup_end = end
+            t.lookup_end, t.lookup_sent = end, time.monotonic()
             key = self._key(t, 0, end)
             for url, client in self.clients.items():
                 t.lookups[url] = _Lookup(_try(functools.partial(
@@ -262,6 +266,10 @@ class SchedulerSide:
                 self._free(url, t, least * chunk, n * chunk)
             t.lookups[url].chunks = least
         t.hit = least * chunk
+        self.metrics.add("lookups")
+        self.metrics.add("lookup_tokens", t.lookup_end)
+        self.metrics.add("hit_tokens", t.hit)
+        self.metrics.observe("lookup_seconds", time.monotonic() - t.lookup_sent)
 
     def _poll(self, url: str, t: Tracker, lk: _Lookup) -> None:
         """Advance one lookup without blocking: its answer in ``lk.chunks`` once known

@@ -35,6 +35,7 @@ from ...errors import LMCacheMPError
 from ...keys import CacheKey
 from .config import ConnectorConfig, RankPlacement
 from .ops import StepOps, TransferOp
+from .stats import Counters
 
 __all__ = ["WorkerSide"]
 
@@ -57,13 +58,17 @@ class WorkerSide:
         self.block_size = 0
         #: The CUDA stream of transfers: None is torch's current stream at each call.
         self.stream: Any = None
-        self._loads: dict[str, list[tuple[Any, tuple[int, ...]]]] = {}
-        self._stores: dict[str, list[Any]] = {}
+        #: Per request: (future or None if not sent, block ids, tokens, submitted at).
+        self._loads: dict[str, list[tuple[Any, tuple[int, ...], int, float]]] = {}
+        #: Per request: (future, tokens, submitted at).
+        self._stores: dict[str, list[tuple[Any, int, float]]] = {}
         self._held: set[str] = set()  # to report "finished sending" once stored
         self._errors: set[int] = set()
         #: Counters for tests and logs.
         self.stats = {"retrieved": 0, "stored": 0, "load_errors": 0, "store_errors": 0,
                       "skipped_stores": 0}
+        #: What vLLM's stats loggers get (``get_kv_connector_stats``), per interval.
+        self.metrics = Counters()
 
     # ----------------------------------------------------------- registering
     def set_registration(self, register: Callable[[], Any], block_size: int) -> None:
@@ -122,7 +127,9 @@ class WorkerSide:
                 except LMCacheMPError as err:
                     log.warning("lmcache_mp connector: RETRIEVE %s not sent: %s",
                                 op.request_id, err)
-            self._loads.setdefault(op.request_id, []).append((future, op.block_ids))
+            tokens = op.end - op.start - op.skip_first_n_tokens
+            self._loads.setdefault(op.request_id, []).append(
+                (future, op.block_ids, tokens, time.monotonic()))
 
     def start_stores(self, step: StepOps) -> None:
         if not self.place.writer:
@@ -130,6 +137,8 @@ class WorkerSide:
         for op in step.stores():
             if not self._usable():
                 self.stats["skipped_stores"] += 1
+                self.metrics.add("skipped_stores")
+                self.metrics.add("store_failures")
                 continue
             try:
                 future = self.reg.store_async(self._key(op), list(op.block_ids),
@@ -138,23 +147,32 @@ class WorkerSide:
             except LMCacheMPError as err:
                 log.warning("lmcache_mp connector: STORE %s not sent: %s", op.request_id, err)
                 self.stats["store_errors"] += 1
+                self.metrics.add("store_failures")
                 continue
-            self._stores.setdefault(op.request_id, []).append(future)
+            self._stores.setdefault(op.request_id, []).append(
+                (future, op.end - op.start, time.monotonic()))
 
     def flush_stores(self) -> None:
         """Wait for every pending store (before preempted requests' blocks are reused)."""
         for rid in list(self._stores):
-            for future in self._stores[rid]:
-                self._store_done(rid, future)
+            for store in self._stores[rid]:
+                self._store_done(rid, store)
             self._stores.pop(rid, None)
 
-    def _store_done(self, rid: str, future: Any) -> None:
+    def _store_done(self, rid: str, store: tuple[Any, int, float]) -> None:
+        future, tokens, submitted = store
         try:
             ok = future.result()
         except LMCacheMPError as err:
             ok = False
             log.warning("lmcache_mp connector: STORE of %s failed: %s", rid, err)
         self.stats["stored" if ok else "store_errors"] += 1
+        if ok:
+            self.metrics.add("stores")
+            self.metrics.add("stored_tokens", tokens)
+            self.metrics.observe("store_seconds", time.monotonic() - submitted)
+        else:
+            self.metrics.add("store_failures")
 
     # ---------------------------------------------------------------- results
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -163,11 +181,11 @@ class WorkerSide:
         needed: the scheduler says which finished requests wait for their stores."""
         for rid in list(self._stores):
             left = []
-            for future in self._stores[rid]:
-                if future.done():
-                    self._store_done(rid, future)
+            for store in self._stores[rid]:
+                if store[0].done():
+                    self._store_done(rid, store)
                 else:
-                    left.append(future)
+                    left.append(store)
             if left:
                 self._stores[rid] = left
             else:
@@ -177,14 +195,18 @@ class WorkerSide:
         recving = set()
         for rid in list(self._loads):
             loads = self._loads[rid]
-            if any(f is not None and not f.done() for f, _ in loads):
+            if any(f is not None and not f.done() for f, *_ in loads):
                 continue
-            for future, blocks in loads:
+            for future, blocks, tokens, submitted in loads:
                 if not self._load_ok(rid, future):
                     self._errors.update(blocks)
                     self.stats["load_errors"] += 1
+                    self.metrics.add("load_failures")
                 else:
                     self.stats["retrieved"] += 1
+                    self.metrics.add("loads")
+                    self.metrics.add("loaded_tokens", tokens)
+                    self.metrics.observe("load_seconds", time.monotonic() - submitted)
             del self._loads[rid]
             recving.add(rid)
         return sending, recving
@@ -211,9 +233,9 @@ class WorkerSide:
     def shutdown(self) -> None:
         deadline = time.monotonic() + self.cfg.transfer_timeout
         for rid in list(self._stores):
-            for future in self._stores.pop(rid):
+            for store in self._stores.pop(rid):
                 if time.monotonic() < deadline:
-                    self._store_done(rid, future)
+                    self._store_done(rid, store)
         if self.reg is not None:
             try:
                 self.reg.unregister(timeout=min(self.cfg.mq_timeout, 10.0))
