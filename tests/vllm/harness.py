@@ -412,6 +412,7 @@ class Engine:
         chunk = getattr(reg, "chunk_size", None)
         if reg is None or not chunk:
             return
+        from lmcache_mp.errors import RequestTimeout  # an engine of ours: it is there
         limit = _time.monotonic() + timeout_s
         for r in requests:
             want = len(r["prompt"]) // chunk * chunk
@@ -422,6 +423,8 @@ class Engine:
                 lookup = reg.request(r["prompt"], cache_salt=salt)
                 try:
                     found = lookup.lookup(timeout=1.0)
+                except RequestTimeout:  # a loaded machine: ask again, within timeout_s
+                    found = 0
                 except Exception:  # noqa: BLE001 - best effort (server down, ...)
                     return
                 finally:
