@@ -189,6 +189,11 @@ def test_mla_store_then_fresh_engine_loads(server: LiveServer, tmp_path: Path) -
     assert loaded(second, "b") == 3 * CHUNK and second["stats"]["load_errors"] == 0
 
 
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
+    "issue 19, open: after TP=2 MLA engines, an engine's RETRIEVE is sometimes answered "
+    "PREPARE_RETRIEVE success=False right after its lookup hit and locked every chunk "
+    "(CI: 0.5.5 once, 0.5.4 twice; never in ~45 runs outside CI; the engine log names "
+    "it). vLLM recomputes, so outputs stay right; the cause is not found yet"))
 def test_mla_tensor_parallel_two_ranks(server: LiveServer, tmp_path: Path) -> None:
     p = tokens(72, 2 * CHUNK + 5)
     a = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("t", p)]}], tp=2,
