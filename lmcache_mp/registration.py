@@ -343,7 +343,10 @@ class Registration:
     ) -> Request:
         """A :class:`~lmcache_mp.Request` for one prompt: lookup, store, retrieve by
         token range; on exit it frees the read locks it still holds and ends its
-        server session. ``request_id`` is generated when not given."""
+        server session. ``request_id`` is generated when not given; pass one only
+        if it is unique: every LMCache release keeps a session's chunk hashes by request
+        id until END_SESSION (else 600 s), so STORE / RETRIEVE under an id reused for
+        another prompt in that time use the *first* prompt's hashes."""
         from .request import Request
 
         req = Request(self, token_ids, request_id=request_id, cache_salt=cache_salt,

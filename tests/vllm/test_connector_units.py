@@ -32,6 +32,13 @@ class Future:
         return self.value
 
 
+def vllm_id(session_id: str) -> str:
+    """vLLM's request id in a session id (``<vLLM id>~<unique suffix>``)."""
+    rid, sep, suffix = session_id.rpartition("~")
+    assert sep and suffix, f"{session_id!r} is vLLM's id, not a session id of its own"
+    return rid
+
+
 class FakeClient:
     def __init__(self, hits: int = 0) -> None:
         self.hits = hits
@@ -42,6 +49,8 @@ class FakeClient:
         self.answers: list[Any] = []
         self.lookup_kw: list[tuple[int, bool]] = []
         self.free_kw: list[tuple[int, bool]] = []
+        #: The request ids sent on the wire (session ids), QUERY and END.
+        self.sessions: list[str] = []
 
     def noop(self, timeout: float) -> str:
         if self.down:
@@ -54,21 +63,25 @@ class FakeClient:
     def submit_lookup_async(self, key: Any, tp: int, timeout: float,
                             mla: bool = False) -> Future:
         self.lookup_kw.append((tp, mla))
+        self.sessions.append(key.request_id)
         self.calls.append(("LOOKUP", key.start, key.end, key.cache_salt, key.world_size))
         return self.ack
 
     def query_prefetch_status_async(self, rid: str, timeout: float) -> Future:
-        self.calls.append(("QUERY", rid))
+        self.sessions.append(rid)
+        self.calls.append(("QUERY", vllm_id(rid)))
         return self.answers.pop(0) if self.answers else Future(self.hits)
 
     def free_lookup_locks_async(self, key: Any, tp: int, timeout: float,
                                 mla: bool = False) -> Future:
         self.free_kw.append((tp, mla))
+        self.sessions.append(key.request_id)
         self.calls.append(("FREE", key.start, key.end))
         return Future(None)
 
     def end_session_async(self, rid: str, timeout: float) -> Future:
-        self.calls.append(("END", rid))
+        self.sessions.append(rid)
+        self.calls.append(("END", vllm_id(rid)))
         return Future(None)
 
     def ops(self, name: str) -> list[tuple[Any, ...]]:
@@ -188,6 +201,8 @@ def test_timed_out_lookup_frees_the_locks_the_server_took() -> None:
     s.build_step(out({}))                # 2 chunks were locked: freed
     assert c.ops("FREE") == [("FREE", 0, 2 * CHUNK)]
     assert s.request_finished(r) is True  # its chunks were stored
+    assert c.ops("END") == []             # its stores are not reported done yet
+    s.update_connector_output(None, {"r"})
     assert c.calls[-1] == ("END", "r")   # after the FREE was answered
 
 
@@ -223,7 +238,15 @@ def test_stores_whole_prompt_chunks_as_they_are_computed() -> None:
     assert (op.start, op.end) == (CHUNK, 3 * CHUNK)
     assert op.block_ids == tuple(blocks[4:12])
     assert s.build_step(out({"r": 1}, {"r": []})).ops == []  # decode: not stored
-    assert s.request_finished(r) is True and c.ops("END") == [("END", "r")]
+    # vLLM keeps the blocks until the workers report the stores done; the session
+    # ends after that (a STORE the server handled after END_SESSION would make the
+    # session again, with this prompt's hashes, for 600 s).
+    assert s.request_finished(r) is True and c.ops("END") == []
+    assert s.build_step(out({})).held == ["r"]
+    s.update_connector_output(None, {"other"})
+    assert c.ops("END") == []
+    s.update_connector_output(None, {"r"})
+    assert c.ops("END") == [("END", "r")]
 
 
 def test_stores_start_after_the_loaded_prefix() -> None:
@@ -435,6 +458,53 @@ def test_preempted_request_looks_up_again_and_loads() -> None:
     s.update_state_after_alloc(r, list(range(40, 53)), 3 * CHUNK)
     (load,) = s.build_step(out({})).retrieves()
     assert (load.start, load.end, load.block_ids[0]) == (0, 3 * CHUNK, 40)
+
+
+def test_each_request_instance_has_its_own_server_session() -> None:
+    """Every LMCache release keys a session by request id alone and keeps the chunk
+    hashes it computed from the first prompt it saw under that id: a reused id (vLLM
+    with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION, another engine, a session an engine
+    that died left) made a RETRIEVE after a hit find nothing (CI's MLA TP=2 failure),
+    and a STORE land under another prompt's key. So the wire id is unique per request
+    instance, on every operation of it, and a preempted request keeps its own."""
+    c = FakeClient(hits=0)
+    s = side(c)
+    first = request(2 * CHUNK + 3, rid="v")
+    s.get_num_new_matched_tokens(first, 0)
+    s.update_state_after_alloc(first, list(range(1, 10)), 0)
+    (st,) = s.build_step(out({"v": 2 * CHUNK + 3})).stores()
+    first.status = SimpleNamespace(name="PREEMPTED")
+    c.hits = 2
+    s.get_num_new_matched_tokens(first, 0)  # preempted: looks up again, same session
+    s.update_state_after_alloc(first, list(range(20, 29)), 2 * CHUNK)
+    (ld,) = s.build_step(out({})).retrieves()
+    s.update_connector_output({"v"}, None)
+    assert s.request_finished(first) is False  # nothing stored since it resumed
+    assert c.ops("END") == [("END", "v")]
+    one = set(c.sessions) | {st.wire_id, ld.wire_id}
+    assert len(one) == 1 and st.request_id == ld.request_id == "v"
+    (sid,) = one
+    assert vllm_id(sid) == "v"
+    # The same vLLM id again (this engine or another): a session of its own.
+    again = request(2 * CHUNK + 3, rid="v")
+    c.sessions.clear()
+    s.get_num_new_matched_tokens(again, 0)
+    other = side(FakeClient(hits=0))
+    other.get_num_new_matched_tokens(request(2 * CHUNK, rid="v"), 0)
+    (sid2,) = set(c.sessions)
+    (sid3,) = set(other.clients["tcp://127.0.0.1:0"].sessions)
+    assert len({sid, sid2, sid3}) == 3 and vllm_id(sid2) == vllm_id(sid3) == "v"
+
+
+def test_worker_sends_the_session_id_and_reports_vllms_id() -> None:
+    reg = FakeReg()
+    w = worker(reg, FakeClient())
+    o = TransferOp("STORE", "r", tuple(range(CHUNK)), 0, CHUNK, (1, 2, 3, 4),
+                   session_id="r~abc0")
+    w.start_stores(StepOps([o], held=["r"]))
+    assert reg.sent[0][1].request_id == "r~abc0"
+    w.start_loads(StepOps(held=["r"]))
+    assert w.get_finished({"r"})[0] == {"r"}
 
 
 def test_save_decode_cache_stores_chunks_of_generated_tokens() -> None:

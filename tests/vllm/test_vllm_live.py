@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from lmcache_mp import CacheKey, Client, CpuKVCache
 from tests.conftest import REPO, SERVER_SCRIPT, SERVER_VERSION, LiveServer, start_server
 from tests.live_helpers import both_modes_args
 from tests.vllm.engines import ENGINE_LOGS, ZYGOTE, Zygote, engine_command, engine_env
@@ -189,11 +190,6 @@ def test_mla_store_then_fresh_engine_loads(server: LiveServer, tmp_path: Path) -
     assert loaded(second, "b") == 3 * CHUNK and second["stats"]["load_errors"] == 0
 
 
-@pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
-    "issue 19, open: after TP=2 MLA engines, an engine's RETRIEVE is sometimes answered "
-    "PREPARE_RETRIEVE success=False right after its lookup hit and locked every chunk "
-    "(CI: 0.5.5 once, 0.5.4 twice; never in ~45 runs outside CI; the engine log names "
-    "it). vLLM recomputes, so outputs stay right; the cause is not found yet"))
 def test_mla_tensor_parallel_two_ranks(server: LiveServer, tmp_path: Path) -> None:
     p = tokens(72, 2 * CHUNK + 5)
     a = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("t", p)]}], tp=2,
@@ -209,6 +205,37 @@ def test_mla_tensor_parallel_two_ranks(server: LiveServer, tmp_path: Path) -> No
     # engine hits the same entries.
     c = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("v", p)]}], mla=True)
     assert loaded(c, "v") == 2 * CHUNK
+
+
+def test_request_id_the_server_already_holds_a_session_for(server: LiveServer,
+                                                          tmp_path: Path) -> None:
+    """CI's MLA TP=2 failure (issue 19), made to happen every time. Every release keys
+    a server session by request id alone and keeps the chunk hashes of the first prompt
+    it saw under it (``Session.set_tokens`` replaces the tokens, not the hashes; 600 s
+    TTL): an engine that reuses an id whose session is still there hits on LOOKUP
+    (hashed afresh) and then RETRIEVEs, and STOREs, under the *old* prompt's hashes.
+    In CI the session was left by an earlier test's engine whose last STORE reached the
+    server after its END_SESSION. The connector sends its own session id per request
+    instance (and END_SESSION after the stores), so the load works."""
+    p, other = tokens(63, 2 * CHUNK + 5), tokens(64, 2 * CHUNK)
+    a = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("w1", p)]}])
+    assert loaded(a, "w1") == 0 and a["stats"]["stored"] == 1
+    # Leave a session "w2" holding another prompt's hashes: a STORE under that id whose
+    # session nothing ends.
+    with Client(server.url, timeout=10.0) as client:
+        kv = CpuKVCache.allocate(num_layers=1, num_blocks=2 * CHUNK // 16, block_size=16,
+                                 num_heads=1, head_dim=8, dtype="float16")
+        reg = client.register(kv, model_name=f"stale-session-{os.getpid()}", mode="engine")
+        try:
+            key = CacheKey(model_name=reg.model_name, world_size=reg.world_size,
+                           worker_id=reg.worker_id, token_ids=other, start=0, end=2 * CHUNK,
+                           request_id="w2")
+            assert reg.store_async(key, list(range(2 * CHUNK // 16))).result() is True
+        finally:
+            reg.unregister()
+    b = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("w2", p)]}])
+    assert b["stats"]["load_errors"] == 0, "the RETRIEVE found nothing after a hit"
+    assert loaded(b, "w2") == 2 * CHUNK
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -24,6 +24,13 @@ class TransferOp:
     block_ids: tuple[int, ...]
     cache_salt: str = ""
     skip_first_n_tokens: int = 0
+    #: The request id on the wire (the server's session of this request instance);
+    #: vLLM's ``request_id`` names the request to vLLM. Empty: the same.
+    session_id: str = ""
+
+    @property
+    def wire_id(self) -> str:
+        return self.session_id or self.request_id
 
 
 @dataclass

@@ -22,6 +22,16 @@ What vLLM is promised, and kept:
   END_SESSION goes out only after its FREE_LOOKUP_LOCKS were answered and its load
   reported (the server may handle requests out of order, and a session ended first
   loses the record of what to free).
+* Server sessions: every request instance has its own session id on the wire
+  (vLLM's request id plus a suffix unique to this scheduler and tracker), because
+  every LMCache release (0.5.3 to 0.5.7rc2) keys a session by request id alone and
+  caches its chunk hashes: a request id the server has seen before (vLLM with
+  ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``, another engine, a session left by an
+  engine that died) would otherwise make its STOREs and RETRIEVEs use the *old*
+  prompt's hashes (a RETRIEVE that finds nothing after a hit; a STORE under another
+  prompt's key). A preempted request keeps its session. END_SESSION waits for the
+  workers' "finished sending" report of a held request: a STORE the server handles
+  after END_SESSION would create the session again, to linger for 600 s.
 * ``kv_role``: a ``kv_consumer`` never stores, a ``kv_producer`` never looks up.
 
 vLLM objects are read by attribute only (``request_id``, ``all_token_ids``,
@@ -33,9 +43,11 @@ from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +90,8 @@ class Tracker:
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
     salt: str
+    #: The request id on the wire: the server's session for this request instance.
+    session_id: str = ""
     #: vLLM's Request (this is the scheduler's process): its token list grows as it
     #: decodes, which the stores of ``save_decode_cache`` need.
     request: Any = None
@@ -93,6 +107,8 @@ class Tracker:
     stores_ordered: bool = False      # a STORE went to the workers
     load_ordered: bool = False        # a RETRIEVE went out, not yet reported done
     frees: list[Any] = field(default_factory=list)  # this request's FREE replies
+    #: Finished with STOREs in flight: END_SESSION waits for "finished sending".
+    sending: bool = False
 
 
 class SchedulerSide:
@@ -126,6 +142,9 @@ class SchedulerSide:
         self._finishing: list[Tracker] = []
         #: What vLLM's stats loggers get (``get_kv_connector_stats``), per interval.
         self.metrics = Counters()
+        # Session ids: vLLM's request id + this scheduler's nonce + a per-tracker count.
+        self._session_nonce = uuid.uuid4().hex[:8]
+        self._session_count = itertools.count()
         self._stop = threading.Event()
         self._health_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -171,7 +190,8 @@ class SchedulerSide:
         deadline = time.monotonic() + self.cfg.lookup_timeout
         while self._finishing and time.monotonic() < deadline:
             for t in self._finishing:
-                t.state, t.load_ordered = State.READY, False  # no more steps
+                # No more steps (the workers are done or gone).
+                t.state, t.load_ordered, t.sending = State.READY, False, False
                 for lk in t.lookups.values():
                     lk.settle_until = 0.0
             self._advance_finishing()
@@ -181,17 +201,21 @@ class SchedulerSide:
     # -------------------------------------------------------------- trackers
     def _tracker(self, request: Any) -> Tracker:
         t = self.trackers.get(request.request_id)
+        session_id = None
         if t is not None and t.state is not State.LOOKUP and _preempted(request):
             # Preempted: vLLM freed its blocks and schedules it again from its own
             # prefix cache; look it up again (what it stored is on the server), as
-            # LMCache's connector does. Its server session goes on (same request id).
+            # LMCache's connector does. Its server session goes on (same session id).
             log.debug("lmcache_mp connector: request %s was preempted; looking it up "
                       "again", request.request_id)
-            t = None
+            session_id, t = t.session_id, None
         if t is None:
             salt = getattr(request, "cache_salt", None) or ""
+            if session_id is None:
+                session_id = (f"{request.request_id}~{self._session_nonce}"
+                              f"{next(self._session_count):x}")
             t = Tracker(request.request_id, tuple(request.all_token_ids),
-                        int(request.num_prompt_tokens), salt, request)
+                        int(request.num_prompt_tokens), salt, session_id, request)
             reason = _bypass_reason(request, salt)
             if reason:
                 log.debug("lmcache_mp connector: request %s bypasses the cache: %s",
@@ -203,7 +227,7 @@ class SchedulerSide:
     def _key(self, t: Tracker, start: int, end: int) -> CacheKey:
         return CacheKey(model_name=self.model_name, world_size=self.kv_world_size,
                         worker_id=None, token_ids=t.token_ids, start=start, end=end,
-                        request_id=t.request_id, cache_salt=t.salt)
+                        request_id=t.session_id, cache_salt=t.salt)
 
     # ------------------------------------------------------------- lookups
     def get_num_new_matched_tokens(self, request: Any,
@@ -284,13 +308,13 @@ class SchedulerSide:
                     return
                 lk.submit.result()
                 lk.query = client.query_prefetch_status_async(
-                    t.request_id, timeout=self.cfg.lookup_timeout)
+                    t.session_id, timeout=self.cfg.lookup_timeout)
             if not lk.query.done():
                 return
             chunks = lk.query.result()
             if chunks is None:  # still running on the server: ask again next time
                 lk.query = client.query_prefetch_status_async(
-                    t.request_id, timeout=self.cfg.lookup_timeout)
+                    t.session_id, timeout=self.cfg.lookup_timeout)
                 return
             lk.chunks = int(chunks)
         except RequestTimeout as err:
@@ -314,7 +338,7 @@ class SchedulerSide:
         try:
             if lk.query is None:
                 lk.query = client.query_prefetch_status_async(
-                    t.request_id, timeout=self.cfg.lookup_timeout)
+                    t.session_id, timeout=self.cfg.lookup_timeout)
             if not lk.query.done():
                 return
             chunks = lk.query.result()
@@ -396,7 +420,8 @@ class SchedulerSide:
         assert chunk is not None and t.hit is not None
         start = t.vllm_hit // chunk * chunk
         return TransferOp("RETRIEVE", t.request_id, t.token_ids, start, t.hit,
-                          self._blocks(t, start, t.hit), t.salt, t.vllm_hit - start)
+                          self._blocks(t, start, t.hit), t.salt, t.vllm_hit - start,
+                          t.session_id)
 
     def _scheduled(self, step: StepOps, rid: str, out: Any, new_blocks: list[int] | None
                    ) -> None:
@@ -430,19 +455,25 @@ class SchedulerSide:
             return None
         start, t.stored = t.stored, t.stored + n * chunk
         return TransferOp("STORE", t.request_id, t.token_ids, start, t.stored,
-                          self._blocks(t, start, t.stored), t.salt)
+                          self._blocks(t, start, t.stored), t.salt,
+                          session_id=t.session_id)
 
     def _blocks(self, t: Tracker, start: int, end: int) -> tuple[int, ...]:
         return tuple(t.block_ids[start // self.block_size: end // self.block_size])
 
     # -------------------------------------------------------------- finishing
-    def update_connector_output(self, finished_recving: Iterable[str] | None) -> None:
-        """The workers' reports of a step: loads that are done (all ranks)."""
+    def update_connector_output(self, finished_recving: Iterable[str] | None,
+                                finished_sending: Iterable[str] | None = None) -> None:
+        """The workers' reports of a step (all ranks): loads that are done, and held
+        requests whose stores are done."""
         done = set(finished_recving or ())
-        if done:
+        sent = set(finished_sending or ())
+        if done or sent:
             for t in [*self.trackers.values(), *self._finishing]:
                 if t.request_id in done:
                     t.load_ordered = False
+                if t.request_id in sent:
+                    t.sending = False
             self._advance_finishing()
 
     def request_finished(self, request: Any) -> bool:
@@ -452,10 +483,11 @@ class SchedulerSide:
         t = self.trackers.pop(request.request_id, None)
         if t is None:
             return False
-        self._end(t)
         hold = t.stores_ordered and not t.load_ordered and t.state is not State.LOADING
         if hold:
             self._held.append(t.request_id)
+            t.sending = True
+        self._end(t)
         return hold
 
     def _end(self, t: Tracker) -> None:
@@ -484,13 +516,13 @@ class SchedulerSide:
                 if lk.settle_until:
                     self._settle(url, t, lk)
             t.frees = [f for f in t.frees if not f.done()]
-            if (t.state is State.LOADING or t.load_ordered or t.frees
+            if (t.state is State.LOADING or t.load_ordered or t.frees or t.sending
                     or any(lk.settle_until for lk in t.lookups.values())):
                 left.append(t)
                 continue
             for url, client in self.clients.items():
                 if self.healthy.get(url):
-                    self._send(functools.partial(client.end_session_async, t.request_id,
+                    self._send(functools.partial(client.end_session_async, t.session_id,
                                                  timeout=self.cfg.lookup_timeout))
         self._finishing = left
 

@@ -106,7 +106,7 @@ class WorkerSide:
     def _key(self, op: TransferOp) -> CacheKey:
         return CacheKey(model_name=self.model_name, world_size=self.place.kv_world_size,
                         worker_id=self.place.kv_worker_id, token_ids=op.token_ids,
-                        start=op.start, end=op.end, request_id=op.request_id,
+                        start=op.start, end=op.end, request_id=op.wire_id,
                         cache_salt=op.cache_salt)
 
     # -------------------------------------------------------------- transfers
