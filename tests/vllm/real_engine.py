@@ -149,9 +149,16 @@ def _output(o: Any) -> dict[str, Any]:
     c = o.outputs[0]
     lps = [lp[t].logprob if lp and t in lp else None
            for t, lp in zip(c.token_ids, c.logprobs or [], strict=False)]
-    return {"tokens": list(c.token_ids), "logprobs": lps,
-            "num_cached_tokens": o.num_cached_tokens,
-            "prompt_len": len(o.prompt_token_ids or [])}
+    out = {"tokens": list(c.token_ids), "logprobs": lps,
+           "num_cached_tokens": o.num_cached_tokens,
+           "prompt_len": len(o.prompt_token_ids or [])}
+    m = getattr(o, "metrics", None)  # vLLM's RequestStateStats (log stats on)
+    if m is not None and getattr(m, "first_token_latency", 0.0):
+        # Time to first token as vLLM's own metrics report it (arrival -> first
+        # token), and the decode time after it (engine-core clock).
+        out["ttft_s"] = float(m.first_token_latency)
+        out["decode_s"] = max(0.0, float(m.last_token_ts) - float(m.first_token_ts))
+    return out
 
 
 def _abort_round(llm: Any, prompts: list[Any], params: Any, index: int,

@@ -30,6 +30,7 @@ from lmcache_mp import Client, InvalidArgument
 from lmcache_mp.integrations.vllm.config import ConnectorConfig, placement
 from lmcache_mp.integrations.vllm.kv_caches import wrap_layers
 from lmcache_mp.integrations.vllm.ops import StepOps, TransferOp
+from lmcache_mp.integrations.vllm.ops import pack_token_ids as packed
 from lmcache_mp.integrations.vllm.worker import WorkerSide
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaKVCache, staging
 
@@ -96,7 +97,7 @@ def logical(drv: FakeDriver, tensors: list[FakeTensor]) -> list[np.ndarray]:
 
 
 def op(direction: str, rid: str = "r") -> TransferOp:
-    return TransferOp(direction, rid, tuple(range(1, CHUNK + 1)), 0, CHUNK,
+    return TransferOp(direction, rid, packed(range(1, CHUNK + 1)), 0, CHUNK,
                       tuple(range(1, CHUNK // BS + 1)))
 
 

@@ -4,6 +4,7 @@ the server, lock frees, store ranges, failed loads, dead servers, configuration.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from lmcache_mp.errors import InvalidArgument, RequestTimeout, ServerUnavailable
 from lmcache_mp.integrations.vllm.config import ConnectorConfig, placement
 from lmcache_mp.integrations.vllm.ops import StepOps, TransferOp
+from lmcache_mp.integrations.vllm.ops import pack_token_ids as packed
 from lmcache_mp.integrations.vllm.scheduler import SchedulerSide, State
 from lmcache_mp.integrations.vllm.worker import WorkerSide
 
@@ -216,6 +218,41 @@ def test_salt_lmcache_rejects_bypasses(salt: str) -> None:
     assert s.build_step(out({"r": 3 * CHUNK})).ops == [] and c.calls == []
 
 
+def test_token_ids_outside_uint32_bypass() -> None:
+    c = FakeClient(hits=2)
+    s = side(c)
+    r = request(3 * CHUNK)
+    r.all_token_ids[5] = 2**32
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    assert s.trackers["r"].state is State.BYPASS and c.calls == []
+
+
+def test_operations_carry_one_packed_copy_of_the_tokens() -> None:
+    """The tokens are checked and packed once per request (not per lookup, free and
+    step): the workers get big-endian uint32 bytes, LMCache 0.5.7's token_bytes."""
+    class ConstantList(Sequence[int]):  # as vLLM hands request.all_token_ids over
+        def __init__(self, x: list[int]) -> None:
+            self._x = x
+
+        def __getitem__(self, i: Any) -> Any:
+            return self._x[i]
+
+        def __len__(self) -> int:
+            return len(self._x)
+
+    c = FakeClient(hits=0)
+    s = side(c)
+    r = request(2 * CHUNK + 5)
+    r.all_token_ids = ConstantList(r.all_token_ids)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, list(range(1, 10)), 0)
+    (st,) = s.build_step(out({"r": 2 * CHUNK + 5})).stores()
+    assert isinstance(st.token_bytes, bytes) and len(st.token_bytes) == 4 * (2 * CHUNK + 5)
+    assert st.token_bytes[:8] == bytes([0, 0, 0, 1, 0, 0, 0, 2])
+    assert st.token_ids == tuple(r.all_token_ids)
+    assert st.token_bytes is s.trackers["r"].key.token_bytes  # packed once, shared
+
+
 def test_prompt_embeds_and_multimodal_bypass() -> None:
     s = side(FakeClient(hits=2))
     assert s.get_num_new_matched_tokens(request(200, "e", prompt_embeds=object()), 0) == (0, False)
@@ -332,7 +369,7 @@ def worker(reg: FakeReg, client: FakeClient) -> WorkerSide:
 
 
 def op(direction: str, rid: str = "r", blocks: tuple[int, ...] = (1, 2, 3, 4)) -> TransferOp:
-    return TransferOp(direction, rid, tuple(range(CHUNK)), 0, CHUNK, blocks)
+    return TransferOp(direction, rid, packed(range(CHUNK)), 0, CHUNK, blocks)
 
 
 def test_worker_keys_carry_the_rank_placement() -> None:
@@ -379,6 +416,47 @@ def test_held_request_is_reported_after_its_stores_and_no_other() -> None:
     reg.next.ready = True
     assert w.get_finished(set()) == ({"r"}, set()) and w.stats["stored"] == 1
     assert w.get_finished({"other"}) == (set(), set())  # never held: never "sent"
+
+
+def test_cpu_engine_driven_transfers_leave_the_forward_thread() -> None:
+    """An engine-driven CPU registration: STORE / RETRIEVE (a server round trip and a
+    copy each) run on the worker's transfer thread, so the hook returns at once; the
+    results are reported as before, errors included; shutdown joins the thread."""
+    import threading
+
+    from lmcache_mp import CpuKVCache, ServerUnavailable
+
+    reg = FakeReg()
+    reg.cache = CpuKVCache.allocate(num_layers=1, num_blocks=8, block_size=BS, num_heads=1,
+                                    head_dim=8, dtype="float16")
+    threads: list[str] = []
+    gate = threading.Event()
+    sent = reg.store_async
+
+    def store_async(*args: Any, **kwargs: Any) -> Future:
+        threads.append(threading.current_thread().name)
+        gate.wait(10)  # the server's PREPARE round trip, slow
+        if len(threads) == 2:
+            raise ServerUnavailable("gone")
+        return sent(*args, **kwargs)
+
+    reg.store_async = store_async  # type: ignore[method-assign]
+    w = worker(reg, FakeClient())
+    try:
+        w.start_stores(StepOps([op("STORE")]))  # returns while the "round trip" waits
+        w.start_loads(StepOps(held=["r"]))
+        assert w.get_finished(set()) == (set(), set())
+        gate.set()
+        w.start_stores(StepOps([op("STORE", "q")]))
+        w.flush_stores()  # waits for both (a preemption)
+        assert w.get_finished(set()) == ({"r"}, set())
+        assert threads and all(t.startswith("lmcache-mp-vllm-transfers") for t in threads)
+        assert (w.stats["stored"], w.stats["store_errors"]) == (1, 1)
+    finally:
+        gate.set()
+        w.shutdown()
+    assert not any(t.name.startswith("lmcache-mp-vllm-transfers")
+                   for t in threading.enumerate())
 
 
 def test_abort_during_a_pending_load_never_reports_it_sent() -> None:
@@ -499,7 +577,7 @@ def test_each_request_instance_has_its_own_server_session() -> None:
 def test_worker_sends_the_session_id_and_reports_vllms_id() -> None:
     reg = FakeReg()
     w = worker(reg, FakeClient())
-    o = TransferOp("STORE", "r", tuple(range(CHUNK)), 0, CHUNK, (1, 2, 3, 4),
+    o = TransferOp("STORE", "r", packed(range(CHUNK)), 0, CHUNK, (1, 2, 3, 4),
                    session_id="r~abc0")
     w.start_stores(StepOps([o], held=["r"]))
     assert reg.sent[0][1].request_id == "r~abc0"
@@ -766,7 +844,7 @@ def test_scheduler_metrics_count_lookups_and_hits_once_per_interval() -> None:
 def test_worker_metrics_count_tokens_moved_and_failures() -> None:
     reg = FakeReg()
     w = worker(reg, FakeClient())
-    w.start_loads(StepOps([TransferOp("RETRIEVE", "a", tuple(range(CHUNK)), 0, CHUNK,
+    w.start_loads(StepOps([TransferOp("RETRIEVE", "a", packed(range(CHUNK)), 0, CHUNK,
                                       (1, 2, 3, 4), "", 2 * BS)]))
     w.start_stores(StepOps([op("STORE", "b")]))
     w.get_finished(set())

@@ -14,6 +14,8 @@ stamped in the directory: asking for a different model at an existing path raise
 Kinds:
 
 * ``llama``: 4 layers, hidden 256, 4 heads, 2 KV heads (head size 64), vocab 2048.
+* ``llama_long``: ``llama`` with positions up to 32768 (benchmarks/vllm_e2e.py: 16k
+  prompts; the same weights for a seed, another model directory).
 * ``deepseek_mla``: DeepSeek-V3 shaped, MLA attention (``kv_lora_rank`` 512,
   ``qk_rope_head_dim`` 64: one latent "head" of 576 per token and layer, the only
   width vLLM's CPU MLA backend takes), 2 layers, hidden 256, 4 heads, every layer
@@ -33,18 +35,19 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-KINDS = ("llama", "deepseek_mla")
+KINDS = ("llama", "llama_long", "deepseek_mla")
 _STAMP = "lmcache_mp_tiny_model.json"
 
 
 def _config(kind: str) -> Any:
-    if kind == "llama":
+    if kind in ("llama", "llama_long"):
         from transformers import LlamaConfig
 
         return LlamaConfig(
             hidden_size=256, intermediate_size=512, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
-            initializer_range=0.2, max_position_embeddings=4096,
+            initializer_range=0.2,
+            max_position_embeddings=32768 if kind == "llama_long" else 4096,
             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     if kind == "deepseek_mla":
         from transformers import DeepseekV3Config
@@ -64,7 +67,7 @@ def _config(kind: str) -> Any:
 
 
 #: Bumped when a kind's config changes: a directory of an older version is refused.
-_VERSIONS = {"llama": 1, "deepseek_mla": 2}
+_VERSIONS = {"llama": 1, "llama_long": 1, "deepseek_mla": 2}
 
 
 def _stamp(kind: str, seed: int) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import LMCacheMPError, RequestTimeout
+from ...errors import InvalidArgument, LMCacheMPError, RequestTimeout
 from ...keys import CacheKey
 from .config import ConnectorConfig, salt_usable
 from .ops import StepOps, TransferOp
@@ -87,7 +87,10 @@ class _Lookup:
 @dataclass
 class Tracker:
     request_id: str
-    token_ids: tuple[int, ...]
+    #: The request's tokens [0, n) as one checked key (session id, no worker id, cache
+    #: salt): built once, ranges cut from it without checking the tokens again. None
+    #: for a bypassing request.
+    key: CacheKey | None
     num_prompt_tokens: int
     salt: str
     #: The request id on the wire: the server's session for this request instance.
@@ -109,6 +112,10 @@ class Tracker:
     frees: list[Any] = field(default_factory=list)  # this request's FREE replies
     #: Finished with STOREs in flight: END_SESSION waits for "finished sending".
     sending: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return 0 if self.key is None else self.key.num_token_ids
 
 
 class SchedulerSide:
@@ -199,6 +206,13 @@ class SchedulerSide:
                 time.sleep(0.01)
 
     # -------------------------------------------------------------- trackers
+    def _base_key(self, token_ids: Any, session_id: str, salt: str) -> CacheKey:
+        if not isinstance(token_ids, (list, tuple)):
+            token_ids = list(token_ids)  # vLLM's ConstantList (a read-only view)
+        return CacheKey(model_name=self.model_name, world_size=self.kv_world_size,
+                        worker_id=None, token_ids=token_ids, start=0, end=len(token_ids),
+                        request_id=session_id, cache_salt=salt)
+
     def _tracker(self, request: Any) -> Tracker:
         t = self.trackers.get(request.request_id)
         session_id = None
@@ -214,9 +228,15 @@ class SchedulerSide:
             if session_id is None:
                 session_id = (f"{request.request_id}~{self._session_nonce}"
                               f"{next(self._session_count):x}")
-            t = Tracker(request.request_id, tuple(request.all_token_ids),
-                        int(request.num_prompt_tokens), salt, session_id, request)
             reason = _bypass_reason(request, salt)
+            key = None
+            if reason is None:
+                try:
+                    key = self._base_key(request.all_token_ids, session_id, salt)
+                except InvalidArgument as err:  # token ids outside uint32
+                    reason = f"its token ids are not LMCache's ({err})"
+            t = Tracker(request.request_id, key, int(request.num_prompt_tokens), salt,
+                        session_id, request)
             if reason:
                 log.debug("lmcache_mp connector: request %s bypasses the cache: %s",
                           request.request_id, reason)
@@ -225,9 +245,8 @@ class SchedulerSide:
         return t
 
     def _key(self, t: Tracker, start: int, end: int) -> CacheKey:
-        return CacheKey(model_name=self.model_name, world_size=self.kv_world_size,
-                        worker_id=None, token_ids=t.token_ids, start=start, end=end,
-                        request_id=t.session_id, cache_salt=t.salt)
+        assert t.key is not None  # only a bypassing request has none, and sends nothing
+        return t.key.with_range(start, end)
 
     # ------------------------------------------------------------- lookups
     def get_num_new_matched_tokens(self, request: Any,
@@ -257,7 +276,7 @@ class SchedulerSide:
         if hit == 0:
             return 0, False
         need = max(0, hit - num_computed_tokens)
-        if hit == len(t.token_ids):
+        if hit == t.num_tokens:
             need = max(0, need - 1)  # vLLM must compute at least the last token
         return need, need > 0
 
@@ -265,7 +284,7 @@ class SchedulerSide:
         """Send the lookups, or collect their answers, without blocking."""
         chunk = self.chunk_size
         if not t.lookups:
-            end = 0 if chunk is None else len(t.token_ids) // chunk * chunk
+            end = 0 if chunk is None else t.num_tokens // chunk * chunk
             if end == 0 or not self.loads or not self.all_healthy():
                 t.hit = 0
                 return
@@ -419,7 +438,8 @@ class SchedulerSide:
         chunk = self.chunk_size
         assert chunk is not None and t.hit is not None
         start = t.vllm_hit // chunk * chunk
-        return TransferOp("RETRIEVE", t.request_id, t.token_ids, start, t.hit,
+        assert t.key is not None
+        return TransferOp("RETRIEVE", t.request_id, t.key.token_bytes, start, t.hit,
                           self._blocks(t, start, t.hit), t.salt, t.vllm_hit - start,
                           t.session_id)
 
@@ -441,20 +461,23 @@ class SchedulerSide:
         if (t.state is State.BYPASS or not self.stores or chunk is None
                 or not self.all_healthy()):
             return None
+        assert t.key is not None
         if self.cfg.save_decode_cache and t.request is not None:
             tokens = t.request.all_token_ids
-            if len(tokens) > len(t.token_ids):  # decoded since: the key covers them too
-                t.token_ids = tuple(tokens)
-            limit = len(t.token_ids)
+            if len(tokens) // chunk > t.num_tokens // chunk:
+                # A whole chunk decoded since: the key covers it too (checked again,
+                # once per chunk, not per decode step).
+                t.key = self._base_key(tokens, t.session_id, t.salt)
+            limit = t.num_tokens
         else:
             limit = t.num_prompt_tokens
         computed = t.scheduled + max(t.vllm_hit, t.hit or 0)
-        ready = min(limit, len(t.token_ids), len(t.block_ids) * self.block_size, computed)
+        ready = min(limit, t.num_tokens, len(t.block_ids) * self.block_size, computed)
         n = (ready - t.stored) // chunk
         if n < 1:
             return None
         start, t.stored = t.stored, t.stored + n * chunk
-        return TransferOp("STORE", t.request_id, t.token_ids, start, t.stored,
+        return TransferOp("STORE", t.request_id, t.key.token_bytes, start, t.stored,
                           self._blocks(t, start, t.stored), t.salt,
                           session_id=t.session_id)
 
@@ -547,7 +570,4 @@ def _bypass_reason(request: Any, salt: str) -> str | None:
         return "a prompt-embeds request (its placeholder token ids collide)"
     if getattr(request, "mm_features", None):
         return "a multimodal request (placeholder hashing is not supported yet)"
-    token_ids = request.all_token_ids
-    if any(not 0 <= int(x) < 2**32 for x in token_ids[: int(request.num_prompt_tokens)]):
-        return "token ids outside uint32"
     return None

@@ -22,6 +22,17 @@ before that), which makes the same stream wait for the server's copy before any 
 forward pass is queued on it; a finished STORE does the same before vLLM may reuse its
 blocks. Engine-driven CUDA transfers copy on that stream and synchronise it before
 returning.
+
+Engine-driven CPU caches: the transfers run on one background thread of the worker
+(``lmcache-mp-vllm-transfers``), not on vLLM's forward thread. Each waits for a server
+round trip (PREPARE_*) and copies between vLLM's blocks and the server's pool; on the
+forward thread that delayed every step that stored (the first token of a cold prompt
+among them). The blocks stay put meanwhile: a RETRIEVE's request is not scheduled
+before it is reported done, a STORE reads the KV of computed tokens, which vLLM does
+not rewrite while the request runs, keeps for a finished request until its stores
+are reported done, and reuses after a preemption only once :meth:`flush_stores`
+waited for them. CUDA caches keep the calling thread (their order is the current
+stream's).
 """
 
 from __future__ import annotations
@@ -29,9 +40,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 from ...errors import LMCacheMPError
+from ...ipc.cpu_cache import CpuKVCache
 from ...keys import CacheKey
 from .config import ConnectorConfig, RankPlacement
 from .ops import StepOps, TransferOp
@@ -40,6 +55,24 @@ from .stats import Counters
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger("lmcache_mp")
+
+
+class _Background:
+    """A transfer submitted on the worker's transfer thread: done once the thread has
+    submitted it (or failed to) and its reply is in; ``result`` as the reply's."""
+
+    __slots__ = ("_submitted",)
+
+    def __init__(self, submitted: Future[Any]) -> None:
+        self._submitted = submitted
+
+    def done(self) -> bool:
+        if not self._submitted.done():
+            return False
+        return self._submitted.exception() is not None or self._submitted.result().done()
+
+    def result(self) -> Any:
+        return self._submitted.result().result()
 
 
 class WorkerSide:
@@ -69,6 +102,8 @@ class WorkerSide:
                       "skipped_stores": 0}
         #: What vLLM's stats loggers get (``get_kv_connector_stats``), per interval.
         self.metrics = Counters()
+        #: Engine-driven CPU transfers run here (see the module's docstring).
+        self._transfers: ThreadPoolExecutor | None = None
 
     # ----------------------------------------------------------- registering
     def set_registration(self, register: Callable[[], Any], block_size: int) -> None:
@@ -85,6 +120,9 @@ class WorkerSide:
             return False
         try:
             self.reg = self._register()
+            if self.reg.mode == "engine" and _is_cpu(self.reg):
+                self._transfers = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="lmcache-mp-vllm-transfers")
             log.info("lmcache_mp connector: rank %d registered with %s (%s mode, instance "
                      "%d)", self.place.kv_worker_id, self.place.url, self.reg.mode,
                      self.reg.instance_id)
@@ -105,7 +143,9 @@ class WorkerSide:
 
     def _key(self, op: TransferOp) -> CacheKey:
         return CacheKey(model_name=self.model_name, world_size=self.place.kv_world_size,
-                        worker_id=self.place.kv_worker_id, token_ids=op.token_ids,
+                        worker_id=self.place.kv_worker_id,
+                        # The scheduler's packed ids, read in bulk (no int per token).
+                        token_ids=np.frombuffer(op.token_bytes, dtype=">u4"),
                         start=op.start, end=op.end, request_id=op.wire_id,
                         cache_salt=op.cache_salt)
 
@@ -120,8 +160,8 @@ class WorkerSide:
                             "recomputes", op.request_id, self._unusable_reason())
             else:
                 try:
-                    future = self.reg.retrieve_async(
-                        self._key(op), list(op.block_ids),
+                    future = self._submit(
+                        self.reg.retrieve_async, self._key(op), list(op.block_ids),
                         skip_first_n_tokens=op.skip_first_n_tokens,
                         timeout=self.cfg.transfer_timeout, stream=self.stream)
                 except LMCacheMPError as err:
@@ -141,9 +181,9 @@ class WorkerSide:
                 self.metrics.add("store_failures")
                 continue
             try:
-                future = self.reg.store_async(self._key(op), list(op.block_ids),
-                                              timeout=self.cfg.transfer_timeout,
-                                              stream=self.stream)
+                future = self._submit(self.reg.store_async, self._key(op),
+                                      list(op.block_ids), timeout=self.cfg.transfer_timeout,
+                                      stream=self.stream)
             except LMCacheMPError as err:
                 log.warning("lmcache_mp connector: STORE %s not sent: %s", op.request_id, err)
                 self.stats["store_errors"] += 1
@@ -151,6 +191,13 @@ class WorkerSide:
                 continue
             self._stores.setdefault(op.request_id, []).append(
                 (future, op.end - op.start, time.monotonic()))
+
+    def _submit(self, transfer: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``transfer(*args, **kwargs)`` (a ``*_async`` call) on the transfer thread if
+        there is one (its errors then surface from ``result()``), else here."""
+        if self._transfers is None:
+            return transfer(*args, **kwargs)
+        return _Background(self._transfers.submit(transfer, *args, **kwargs))
 
     def flush_stores(self) -> None:
         """Wait for every pending store (before preempted requests' blocks are reused)."""
@@ -236,6 +283,9 @@ class WorkerSide:
             for store in self._stores.pop(rid):
                 if time.monotonic() < deadline:
                     self._store_done(rid, store)
+        if self._transfers is not None:
+            self._transfers.shutdown(wait=True)  # each transfer is bounded by its deadline
+            self._transfers = None
         if self.reg is not None:
             try:
                 self.reg.unregister(timeout=min(self.cfg.mq_timeout, 10.0))
@@ -243,3 +293,7 @@ class WorkerSide:
                 log.warning("lmcache_mp connector: unregister: %s", err)
             self.reg = None
         self.client.close()
+
+
+def _is_cpu(reg: Any) -> bool:
+    return isinstance(getattr(reg, "cache", None), CpuKVCache)
