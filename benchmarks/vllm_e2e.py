@@ -44,7 +44,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,12 +56,17 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+# The vLLM tests' engine plumbing (the vLLM venv, the oracle runner, the environment).
+from tests.conftest import free_port  # noqa: E402
+from tests.vllm.engines import VENV as VLLM_VENV  # noqa: E402
+from tests.vllm.engines import WITH_VLLM, site_packages  # noqa: E402
+from tests.vllm.engines import engine_env as tests_engine_env  # noqa: E402
+
 REAL_ENGINE = REPO / "tests" / "vllm" / "real_engine.py"
-WITH_VLLM = REPO / "tests" / "vllm" / "with_vllm.py"
 TINY_MODEL = REPO / "tests" / "vllm" / "tiny_model.py"
 SERVER = REPO / "scripts" / "lmcache-server.sh"
 HOOKTIME = REPO / "benchmarks" / "hooktime"  # sitecustomize: per-hook CPU (see there)
-VLLM_VENV = Path(os.environ.get("LMCACHE_MP_VLLM_VENV", REPO / ".venv-vllm"))
 ORACLE = Path(os.environ.get("LMCACHE_MP_ORACLE_DIR", REPO / ".oracle"))
 #: Where the engines import lmcache_mp from (--source: another checkout, for a before /
 #: after comparison of the connector; the harness code still comes from this one).
@@ -77,16 +81,9 @@ CONTENDERS = ("none", "ours", "lmcache")
 
 
 # ------------------------------------------------------------------ processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def engine_env(hook_dir: Path | None = None) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LMCACHE_DISABLE_BANNER": "1",
-           "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(str(p) for p in dict.fromkeys([*SOURCE, REPO]))}
+    env = tests_engine_env()
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in dict.fromkeys([*SOURCE, REPO]))
     if hook_dir is not None:
         env["PYTHONPATH"] = f"{HOOKTIME}{os.pathsep}{env['PYTHONPATH']}"
         env["LMCACHE_MP_HOOK_TIMES"] = str(hook_dir)
@@ -116,9 +113,8 @@ def engine_command(contender: str, spec: Path, release: str) -> list[str]:
     vllm_python = VLLM_VENV / "bin" / "python"
     if contender != "lmcache":
         return [str(vllm_python), str(REAL_ENGINE), str(spec)]
-    site = next((VLLM_VENV / "lib").glob("python3*/site-packages"))
-    return [str(ORACLE / f"venv-{release}" / "bin" / "python"), str(WITH_VLLM), str(site),
-            str(REAL_ENGINE), str(spec)]
+    return [str(ORACLE / f"venv-{release}" / "bin" / "python"), str(WITH_VLLM),
+            site_packages(), str(REAL_ENGINE), str(spec)]
 
 
 def run_engine(contender: str, spec: dict[str, Any], release: str, workdir: Path,

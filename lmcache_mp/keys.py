@@ -18,7 +18,7 @@ import msgspec
 from .errors import InvalidArgument
 from .protocol.types import U32
 
-__all__ = ["CacheKey", "SALT_MAX_LEN", "SALT_FORBIDDEN_CHARS"]
+__all__ = ["CacheKey", "SALT_MAX_LEN", "SALT_FORBIDDEN_CHARS", "unpack_token_bytes"]
 
 SALT_MAX_LEN = 128
 # LMCache's L2 adapters use '@' as a separator, '/' and '\\' reach file names, NUL ends C strings.
@@ -102,7 +102,8 @@ def _read_tokens(token_ids: Any) -> tuple[bytes | None, tuple[int, ...] | None]:
         ) from None
 
 
-def _unpack(packed: bytes) -> tuple[int, ...]:
+def unpack_token_bytes(packed: bytes) -> tuple[int, ...]:
+    """Token ids from their packed form (big-endian uint32, :attr:`CacheKey.token_bytes`)."""
     words = array.array("I")
     words.frombytes(packed)
     if _SWAP:
@@ -226,7 +227,7 @@ class CacheKey:
         """The token ids as a tuple of ints (unpacked on first use, then kept)."""
         ids = self._token_ids
         if ids is None:
-            ids = _unpack(self._token_bytes)  # type: ignore[arg-type]
+            ids = unpack_token_bytes(self._token_bytes)  # type: ignore[arg-type]
             object.__setattr__(self, "_token_ids", ids)
         return ids
 
@@ -283,7 +284,7 @@ class CacheKey:
 
     def __repr__(self) -> str:
         n = self.num_token_ids
-        head = ", ".join(map(str, _unpack(self.token_bytes[:16]))) + (", ..." if n > 4 else "")
+        head = ", ".join(map(str, unpack_token_bytes(self.token_bytes[:16]))) + (", ..." if n > 4 else "")
         return (
             f"CacheKey(model_name={self.model_name!r}, world_size={self.world_size}, "
             f"worker_id={self.worker_id}, token_ids=[{head}] ({n}), start={self.start}, "

@@ -30,9 +30,9 @@ from lmcache_mp import Client, InvalidArgument
 from lmcache_mp.integrations.vllm.config import ConnectorConfig, placement
 from lmcache_mp.integrations.vllm.kv_caches import wrap_layers
 from lmcache_mp.integrations.vllm.ops import StepOps, TransferOp
-from lmcache_mp.integrations.vllm.ops import pack_token_ids as packed
 from lmcache_mp.integrations.vllm.worker import WorkerSide
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaKVCache, staging
+from tests.vllm.test_connector_units import packed
 
 from ..fake_cuda import FakeDriver, FakeTensor
 from ..fake_server import FakeServer

@@ -13,11 +13,17 @@ import pytest
 from lmcache_mp.errors import InvalidArgument, RequestTimeout, ServerUnavailable
 from lmcache_mp.integrations.vllm.config import ConnectorConfig, placement
 from lmcache_mp.integrations.vllm.ops import StepOps, TransferOp
-from lmcache_mp.integrations.vllm.ops import pack_token_ids as packed
 from lmcache_mp.integrations.vllm.scheduler import SchedulerSide, State
 from lmcache_mp.integrations.vllm.worker import WorkerSide
+from lmcache_mp.keys import CacheKey
 
 CHUNK, BS = 64, 16
+
+
+def packed(token_ids: Any) -> bytes:
+    """Token ids as the scheduler sends them (``TransferOp.token_bytes``)."""
+    return CacheKey(model_name="m", world_size=1, worker_id=None, token_ids=list(token_ids),
+                    start=0, end=0, request_id="r").token_bytes
 
 
 class Future:

@@ -9,20 +9,11 @@ Token ids travel packed (``bytes``, big-endian uint32: LMCache 0.5.7's
 
 from __future__ import annotations
 
-import array
-import sys
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["TransferOp", "StepOps", "pack_token_ids"]
+from ...keys import unpack_token_bytes
 
-
-def pack_token_ids(token_ids: Iterable[int]) -> bytes:
-    """Token ids (each in uint32) as ``TransferOp.token_bytes``: big-endian uint32."""
-    words = array.array("I", token_ids)
-    if sys.byteorder == "little":
-        words.byteswap()
-    return words.tobytes()
+__all__ = ["TransferOp", "StepOps"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +41,7 @@ class TransferOp:
     @property
     def token_ids(self) -> tuple[int, ...]:
         """The token ids as ints (tests and logs; the transfers use the bytes)."""
-        words = array.array("I")
-        words.frombytes(self.token_bytes)
-        if sys.byteorder == "little":
-            words.byteswap()
-        return tuple(words)
+        return unpack_token_bytes(self.token_bytes)
 
 
 @dataclass
