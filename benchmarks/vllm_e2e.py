@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -476,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                         merged["ok"], merged["crash"] = False, res["crash"]
                         print(f"    {contender} engine failed: {res['crash']['why']}: "
                               f"{res['crash']['error']}", flush=True)
+            if os.environ.get("LMCACHE_MP_HOOK_TRACE") == "1":  # timelines: keep them
+                shutil.copytree(tmp, out / "trace", dirs_exist_ok=True)
     finally:
         subprocess.run([str(SERVER), "stop", "--port", str(port)], capture_output=True)
     table = collect(results, lengths)

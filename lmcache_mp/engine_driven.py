@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import ProtocolMismatch
 from .ipc.base import STORAGE_DTYPES, ExportableKVCache, KVGeometry
 from .ipc.cpu_cache import CpuKVCache
-from .ipc.shm import map_existing
+from .ipc.shm import PageMapper, map_existing
 from .protocol.types import PoolSlot
 
 if TYPE_CHECKING:  # numpy and the copy modules are imported on the first copy
@@ -48,6 +48,14 @@ class Pool:
     size: int
     epoch: int
     view: np.ndarray = field(repr=False, compare=False)
+    #: Maps the pool's pages here ahead of a CPU copy (shared by every user of the map).
+    pages: PageMapper | None = field(default=None, repr=False, compare=False)
+
+    def prepare(self, slots: Sequence[PoolSlot]) -> None:
+        """Map the pages of ``slots`` in bulk before a copy touches them."""
+        if self.pages is not None:
+            for slot in slots:
+                self.pages.prepare(slot.offset, slot.length)
 
 
 class PoolMaps:
@@ -60,8 +68,8 @@ class PoolMaps:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (name, epoch) -> [mapping, view, users]
-        self._maps: dict[tuple[str, int], tuple[mmap.mmap, np.ndarray, int]] = {}
+        # (name, epoch) -> [mapping, view, users, page mapper]
+        self._maps: dict[tuple[str, int], tuple[mmap.mmap, np.ndarray, int, PageMapper]] = {}
         self._workers: CopyWorkers | None = None
 
     @property
@@ -82,9 +90,9 @@ class PoolMaps:
                 import numpy as np
 
                 pool = map_existing(name, size)
-                entry = (pool, np.frombuffer(pool, dtype=np.uint8), 0)
-            self._maps[key] = (entry[0], entry[1], entry[2] + 1)
-            return Pool(name, size, epoch, entry[1])
+                entry = (pool, np.frombuffer(pool, dtype=np.uint8), 0, PageMapper(pool, size))
+            self._maps[key] = (entry[0], entry[1], entry[2] + 1, entry[3])
+            return Pool(name, size, epoch, entry[1], entry[3])
 
     def release(self, pool: Pool | None) -> None:
         if pool is None:
@@ -95,7 +103,7 @@ class PoolMaps:
             if entry is None or entry[1] is not pool.view:
                 return
             if entry[2] > 1:
-                self._maps[key] = (entry[0], entry[1], entry[2] - 1)
+                self._maps[key] = (entry[0], entry[1], entry[2] - 1, entry[3])
                 return
             del self._maps[key]
         _unmap(entry[0], entry[1])
@@ -107,7 +115,7 @@ class PoolMaps:
             workers, self._workers = self._workers, None
         if workers is not None:
             workers.close()
-        for pool, view, _users in entries:
+        for pool, view, _users, _pages in entries:
             _unmap(pool, view)
 
     def __len__(self) -> int:
@@ -182,6 +190,7 @@ def copy_into_slots(
         return
     from .ipc.paged_copy import gather_tasks
 
+    pool.prepare(slots)
     tasks: list[Task] = []
     for target, ci in zip(targets, chunk_indices, strict=True):
         tasks += gather_tasks(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], target, g)
@@ -215,6 +224,7 @@ def copy_from_slots(
         return
     from .ipc.paged_copy import scatter_tasks
 
+    pool.prepare(slots)
     tasks: list[Task] = []
     for ci, source in enumerate(sources):
         tasks += scatter_tasks(source, cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk],

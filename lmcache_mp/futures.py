@@ -69,6 +69,14 @@ class ReplyFuture(Generic[T]):
         assert self._transport is not None and self._request is not None
         return self._transport.poll(self._request)
 
+    def wait(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for the reply (never past the request's deadline)
+        without raising; returns :meth:`done`."""
+        if self._value is _UNSET and self._error is None and seconds > 0:
+            assert self._transport is not None and self._request is not None
+            self._transport.wait_for(self._request, seconds)
+        return self.done()
+
     def result(self) -> T:
         """The decoded reply; raises the request's error (timeout, unavailable, ...)."""
         if self._value is _UNSET and self._error is None:

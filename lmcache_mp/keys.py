@@ -36,10 +36,17 @@ _SWAP = sys.byteorder == "little"
 _NATIVE_U32 = array.array("I").itemsize == 4
 
 
-class _Packed(bytes):
-    """Token ids already packed and checked (copies of a key): not validated again."""
+class _Tokens:
+    """A key's token ids, in one or both forms; shared by the keys cut from it
+    (``with_range``, ``replace``), so a form derived for one range (the tuple older
+    servers' keys carry, or 0.5.7's packed bytes) is derived once for all of them."""
 
-    __slots__ = ()
+    __slots__ = ("packed", "ids", "count")
+
+    def __init__(self, packed: bytes | None, ids: tuple[int, ...] | None) -> None:
+        self.packed = packed
+        self.ids = ids
+        self.count = len(ids) if packed is None else len(packed) // 4  # type: ignore[arg-type]
 
 
 def _big_endian(words: array.array[int]) -> bytes:
@@ -62,8 +69,6 @@ def _read_tokens(token_ids: Any) -> tuple[bytes | None, tuple[int, ...] | None]:
     LMCache 0.5.7's ``token_bytes`` sends), ``(None, ids)`` for lists and tuples (their
     Python ints exist already: the form 0.5.3-0.5.6 keys send). A key derives the other
     form only if a profile asks for it, once."""
-    if isinstance(token_ids, _Packed):
-        return bytes(token_ids), None  # msgspec encodes exact bytes only, not a subclass
     kind = getattr(getattr(token_ids, "dtype", None), "kind", None)
     if isinstance(kind, str) and hasattr(token_ids, "tolist"):  # numpy-like
         if getattr(token_ids, "ndim", 1) != 1:
@@ -133,15 +138,13 @@ class CacheKey:
     # Token ids are held in the form they came in (packed from numpy / array('I'), a
     # tuple from a list); the other form (0.5.7's token_bytes, or the tuple older
     # servers' keys carry) is derived on first use, once.
-    __slots__ = ("model_name", "world_size", "worker_id", "_token_bytes", "_token_ids",
-                 "_count", "start", "end", "request_id", "cache_salt")
+    __slots__ = ("model_name", "world_size", "worker_id", "_tokens", "start", "end",
+                 "request_id", "cache_salt")
 
     model_name: str
     world_size: int
     worker_id: int | None
-    _token_bytes: bytes | None
-    _token_ids: tuple[int, ...] | None
-    _count: int
+    _tokens: _Tokens
     start: int
     end: int
     request_id: str
@@ -170,8 +173,11 @@ class CacheKey:
                 f"worker_id must be None or an int in [0, world_size={world_size}), "
                 f"got {worker_id!r}"
             )
-        packed, ids = _read_tokens(token_ids)
-        count = len(ids) if packed is None else len(packed) // 4  # type: ignore[arg-type]
+        if isinstance(token_ids, _Tokens):  # a copy's: checked already
+            tokens = token_ids
+        else:
+            tokens = _Tokens(*_read_tokens(token_ids))
+        count = tokens.count
         if not _is_int(start) or not _is_int(end):
             raise InvalidArgument("start and end must be ints")
         if not 0 <= start <= end <= count:
@@ -198,9 +204,7 @@ class CacheKey:
         setter(self, "model_name", model_name)
         setter(self, "world_size", world_size)
         setter(self, "worker_id", worker_id)
-        setter(self, "_token_bytes", packed)
-        setter(self, "_token_ids", ids)
-        setter(self, "_count", count)
+        setter(self, "_tokens", tokens)
         setter(self, "start", start)
         setter(self, "end", end)
         setter(self, "request_id", request_id)
@@ -217,34 +221,31 @@ class CacheKey:
                                   f"fields: {', '.join(self.FIELDS)}")
         fields = {name: getattr(self, name) for name in self.FIELDS if name != "token_ids"}
         # Checked already: not validated again (tokens of long prompts).
-        fields["token_ids"] = (self._token_ids if self._token_bytes is None
-                               else _Packed(self._token_bytes))
+        fields["token_ids"] = self._tokens
         fields.update(changes)
         return CacheKey(**fields)
 
     @property
     def token_ids(self) -> tuple[int, ...]:
         """The token ids as a tuple of ints (unpacked on first use, then kept)."""
-        ids = self._token_ids
-        if ids is None:
-            ids = unpack_token_bytes(self._token_bytes)  # type: ignore[arg-type]
-            object.__setattr__(self, "_token_ids", ids)
-        return ids
+        tokens = self._tokens
+        if tokens.ids is None:
+            tokens.ids = unpack_token_bytes(tokens.packed)  # type: ignore[arg-type]
+        return tokens.ids
 
     @property
     def token_bytes(self) -> bytes:
         """The token ids packed as big-endian uint32, LMCache 0.5.7's ``token_bytes``
         and the bytes its hasher reads (packed on first use, then kept)."""
-        packed = self._token_bytes
-        if packed is None:
-            packed = _pack_checked_ints(self._token_ids)  # type: ignore[arg-type]
-            object.__setattr__(self, "_token_bytes", packed)
-        return packed
+        tokens = self._tokens
+        if tokens.packed is None:
+            tokens.packed = _pack_checked_ints(tokens.ids)  # type: ignore[arg-type]
+        return tokens.packed
 
     @property
     def num_token_ids(self) -> int:
         """How many token ids the key holds (the whole sequence, not the range)."""
-        return self._count
+        return self._tokens.count
 
     def with_range(self, start: int, end: int) -> CacheKey:
         """A copy for tokens ``[start, end)``; only the range is checked again (the

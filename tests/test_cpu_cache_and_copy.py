@@ -15,7 +15,7 @@ from lmcache_mp import CacheKey, CpuKVCache, InvalidArgument
 from lmcache_mp.blocks import TransferLayout, normalize_block_ids
 from lmcache_mp.ipc.cpu_cache import KVGeometry
 from lmcache_mp.ipc.paged_copy import block_runs, gather_chunk, scatter_chunk
-from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR
+from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR, PageMapper
 from lmcache_mp.protocol.types import EngineGroupInfo
 
 
@@ -176,3 +176,63 @@ def test_block_id_normalisation_and_checks() -> None:
     with pytest.raises(InvalidArgument, match="registered"):
         reg.check_key(_k().replace(model_name="other"), "STORE")
 
+
+
+class _RecordingMapping:
+    """An mmap stand-in that records madvise calls (and can refuse them)."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+        self.error = error
+
+    def madvise(self, option: int, start: int, length: int) -> None:
+        self.calls.append((option, start, length))
+        if self.error is not None:
+            raise self.error
+
+
+def test_pool_pages_are_mapped_once_per_granule_before_copies() -> None:
+    g = PageMapper.GRANULE
+    m = _RecordingMapping()
+    pages = PageMapper(m, 5 * g + 100)  # type: ignore[arg-type]
+    pages.prepare(g - 10, 20)           # straddles granules 0 and 1
+    pages.prepare(g + 5, g)             # 1 again (nothing) and 2
+    pages.prepare(5 * g, 100)           # the short last granule, clipped to the pool
+    assert [(s, n) for _, s, n in m.calls] == [(0, g), (g, g), (2 * g, g), (5 * g, 100)]
+    assert all(option == 23 for option, _, _ in m.calls)  # MADV_POPULATE_WRITE
+    pages.prepare(0, 3 * g)
+    assert len(m.calls) == 4  # mapped already: no call
+
+
+def test_a_kernel_without_populate_advice_costs_one_refused_call() -> None:
+    m = _RecordingMapping(OSError(22, "Invalid argument"))
+    pages = PageMapper(m, 4 * PageMapper.GRANULE)  # type: ignore[arg-type]
+    pages.prepare(0, 10)
+    pages.prepare(3 * PageMapper.GRANULE, 10)
+    assert len(m.calls) == 1  # the copy takes its own page faults, as before
+
+
+def test_page_mapping_really_maps_a_shared_segment() -> None:
+    import mmap
+    import resource
+
+    size = 4 * PageMapper.GRANULE
+    path = os.path.join(SHM_DIR, f"{NAME_PREFIX}pagemap_{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        pages = PageMapper(m, size)
+        pages.prepare(0, 2 * PageMapper.GRANULE)
+        view = np.frombuffer(m, dtype=np.uint8)
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        view[: 2 * PageMapper.GRANULE] = 7  # 1024 pages, mapped already
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        del view
+        m.close()
+        if not pages.supported:  # a kernel before 5.14: the copies fault as before
+            pytest.skip("this kernel refuses MADV_POPULATE_WRITE (Linux 5.14+)")
+        assert faults < 64, faults
+    finally:
+        os.close(fd)
+        os.unlink(path)

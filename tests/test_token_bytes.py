@@ -57,14 +57,14 @@ def test_numpy_tokens_reach_the_0_5_7_wire_without_python_ints() -> None:
     profile = get_profile("0.5.7")
     frames = encode_request(profile.op("STORE"), [profile.transfer_key(k, 0), 1, [[0]], b""])
     assert np.arange(4096, dtype=">u4").tobytes() in frames[1]
-    assert k._token_ids is None  # never unpacked
+    assert k._tokens.ids is None  # never unpacked
 
 
 def test_list_tokens_are_never_packed_for_older_servers() -> None:
     k = key(list(range(512)), end=256)
     profile = get_profile("0.5.6")
     encode_request(profile.op("STORE"), [profile.transfer_key(k, 0), 1, [[0]], b""])
-    assert k._token_bytes is None
+    assert k._tokens.packed is None
 
 
 def test_keys_from_different_forms_are_equal_and_hash_alike() -> None:
@@ -73,8 +73,18 @@ def test_keys_from_different_forms_are_equal_and_hash_alike() -> None:
     assert all(m == made[0] and hash(m) == hash(made[0]) for m in made)
     assert made[0] != key(ids[:-1])
     copy = made[2].replace(request_id="other")  # a packed key's copy stays packed
-    assert copy._token_ids is None and copy == made[2]
+    assert copy._tokens.ids is None and copy == made[2]
     assert made[0].with_range(0, 256).token_bytes == made[0].token_bytes
+
+
+def test_ranges_cut_from_a_key_derive_the_other_form_once_for_all() -> None:
+    # The vLLM workers cut every STORE / RETRIEVE of a request from one key: the
+    # tuple an older server's key carries is unpacked once per request, not per range.
+    base = key(np.arange(1024, dtype=np.int64))
+    first, second = base.with_range(0, 256), base.with_range(256, 512)
+    ids = first.token_ids
+    assert second._tokens.ids is ids and base.token_ids is ids
+    assert base.replace(request_id="x").token_ids is ids
 
 
 @pytest.mark.parametrize("op_name, tail", [("FREE_LOOKUP_LOCKS", "extra_ranges"),

@@ -43,6 +43,10 @@ if _DIR:
     _stats: dict = {}
     _meta = {"steps": 0, "bytes": 0}
     _last_dump = [0.0]
+    #: LMCACHE_MP_HOOK_TRACE=1: also a timeline, (monotonic start, wall us, hook, result)
+    #: per call, for reading where one request's time goes (last 20000 calls).
+    _TRACE = os.environ.get("LMCACHE_MP_HOOK_TRACE") == "1"
+    _trace: list = []
     _BACKGROUND = ("lmcache", "mq-client", "zmq-event")
     #: native thread id -> (name, CPU seconds last read): ended threads keep theirs.
     _threads: dict = {}
@@ -68,7 +72,8 @@ if _DIR:
         with _lock:
             data = {"pid": os.getpid(), "argv0": sys.argv[0] if sys.argv else "",
                     "stats": {k: list(v) for k, v in _stats.items()}, "meta": dict(_meta),
-                    "threads": {str(k): list(v) for k, v in _threads.items()}}
+                    "threads": {str(k): list(v) for k, v in _threads.items()},
+                    "trace": _trace[-20000:]}
         tmp = os.path.join(_DIR, f".hooks-{os.getpid()}.json.tmp")
         with open(tmp, "w") as f:
             json.dump(data, f)
@@ -88,6 +93,9 @@ if _DIR:
                     rec[0] += 1
                     rec[1] += cpu
                     rec[2] += wall
+                    if _TRACE:
+                        _trace.append((w0 / 1e9, wall // 1000, f"{role}.{name}",
+                                       _brief(result) if "result" in locals() else "raised"))
             if measure_meta:
                 size = len(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
                 with _lock:
@@ -97,6 +105,15 @@ if _DIR:
             return result
 
         return timed
+
+    def _brief(result) -> str:
+        if result is None or isinstance(result, (bool, int, float)):
+            return repr(result)
+        if isinstance(result, tuple):
+            return repr(tuple(_brief(r) for r in result))
+        if isinstance(result, (set, frozenset, list)):
+            return f"{type(result).__name__}[{len(result)}]"
+        return type(result).__name__
 
     def _patch(module) -> None:
         factory = module.KVConnectorFactory

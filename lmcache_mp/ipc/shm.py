@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..errors import InvalidArgument, LMCacheMPError
 
 __all__ = ["SHM_DIR", "NAME_PREFIX", "ShmSegment", "map_existing", "shm_path",
-           "shm_free_bytes", "sweep_dead_segments", "Swept"]
+           "shm_free_bytes", "sweep_dead_segments", "Swept", "PageMapper"]
 
 log = logging.getLogger("lmcache_mp")
 
@@ -149,6 +149,57 @@ def map_existing(name: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+#: madvise(MADV_POPULATE_WRITE), Linux 5.14+ (Python 3.11's mmap has no name for it).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+class PageMapper:
+    """Maps pages of a mapping into this process in bulk, ahead of a copy.
+
+    A page of a shared mapping costs a page fault on its first touch in each process
+    that maps it (~4 us each here: a MiB of a server's L1 pool, 256 faults, cost three
+    times its memcpy). One ``madvise(MADV_POPULATE_WRITE)`` per 2 MiB granule, the
+    first time a copy reaches it, maps the same pages for a quarter of that; later
+    copies into the granule find them mapped. Only what a copy is about to touch is
+    mapped (a server with a lazily allocated pool keeps it lazy). Kernels before 5.14
+    refuse the advice: then this does nothing and the faults are taken as before.
+    """
+
+    GRANULE = 2 << 20
+
+    def __init__(self, mapping: mmap.mmap, size: int) -> None:
+        self._mapping = mapping
+        self._size = size
+        self._mapped = bytearray(-(-size // self.GRANULE))
+        self._supported = True
+
+    @property
+    def supported(self) -> bool:
+        """False once the kernel refused the advice (then copies fault as before)."""
+        return self._supported
+
+    def prepare(self, offset: int, length: int) -> None:
+        """Map the granules of ``[offset, offset + length)`` not mapped yet."""
+        if not self._supported or length <= 0:
+            return
+        g = self.GRANULE
+        for i in range(offset // g, min(len(self._mapped), -(-(offset + length) // g))):
+            if self._mapped[i]:
+                continue
+            start = i * g
+            try:
+                self._mapping.madvise(_MADV_POPULATE_WRITE, start, min(g, self._size - start))
+            except ValueError:
+                return  # unmapped meanwhile: the copy reports that itself
+            except OSError as err:
+                # EINVAL: a kernel without the advice; anything else (ENOMEM, EFAULT):
+                # the copy's own faults say it better. Either way, stop trying.
+                log.debug("lmcache_mp: pages of the pool not mapped ahead (%s)", err)
+                self._supported = False
+                return
+            self._mapped[i] = 1
 
 
 # ------------------------------------------------------------ allocation

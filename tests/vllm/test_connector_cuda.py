@@ -32,7 +32,7 @@ from lmcache_mp.integrations.vllm.kv_caches import wrap_layers
 from lmcache_mp.integrations.vllm.ops import StepOps, TransferOp
 from lmcache_mp.integrations.vllm.worker import WorkerSide
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaKVCache, staging
-from tests.vllm.test_connector_units import packed
+from tests.vllm.test_connector_units import with_tokens
 
 from ..fake_cuda import FakeDriver, FakeTensor
 from ..fake_server import FakeServer
@@ -97,7 +97,7 @@ def logical(drv: FakeDriver, tensors: list[FakeTensor]) -> list[np.ndarray]:
 
 
 def op(direction: str, rid: str = "r") -> TransferOp:
-    return TransferOp(direction, rid, packed(range(1, CHUNK + 1)), 0, CHUNK,
+    return TransferOp(direction, rid, 0, CHUNK,
                       tuple(range(1, CHUNK // BS + 1)))
 
 
@@ -113,7 +113,7 @@ def worker_for(server: FakeServer, cache: Any) -> WorkerSide:
 def store(w: WorkerSide) -> None:
     """wait_for_save's STORE of request "r", which then finishes: the scheduler holds
     it (the next step's ``held``), so the worker reports it once stored."""
-    w.start_stores(StepOps([op("STORE")]))
+    w.start_stores(with_tokens([op("STORE")], first=1))
     w.start_loads(StepOps(held=["r"]))
 
 
@@ -201,7 +201,7 @@ def test_lmcache_driven_transfers_are_ordered_on_the_current_stream(
 
     # start_load_kv on stream 0x61; the reply makes 0x61 wait for the server's copy.
     current.value = 0x61
-    w.start_loads(StepOps([op("RETRIEVE", "q")]))
+    w.start_loads(with_tokens([op("RETRIEVE", "q")], first=1))
     current.value = 0x98
     assert collect(w, set()) == (set(), {"q"})
     assert [c for c in drv.calls if c[0] == "wait"][-1] == ("wait", 0x61, SERVER_EVENT)
@@ -246,7 +246,7 @@ def test_engine_driven_copies_write_lmcaches_objects(
     before = [v.copy() for v in views]
     for v in views:
         v[ids] = 0
-    w.start_loads(StepOps([op("RETRIEVE", "q")]))
+    w.start_loads(with_tokens([op("RETRIEVE", "q")], first=1))
     assert collect(w, set()) == (set(), {"q"}) and w.load_errors() == set()
     for v, b in zip(views, before, strict=True):
         assert np.array_equal(v, b)  # the retrieved blocks, and nothing else touched

@@ -4,6 +4,7 @@ the server, lock frees, store ranges, failed loads, dead servers, configuration.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -15,15 +16,22 @@ from lmcache_mp.integrations.vllm.config import ConnectorConfig, placement
 from lmcache_mp.integrations.vllm.ops import StepOps, TransferOp
 from lmcache_mp.integrations.vllm.scheduler import SchedulerSide, State
 from lmcache_mp.integrations.vllm.worker import WorkerSide
-from lmcache_mp.keys import CacheKey
+from lmcache_mp.keys import CacheKey, unpack_token_bytes
 
 CHUNK, BS = 64, 16
 
 
 def packed(token_ids: Any) -> bytes:
-    """Token ids as the scheduler sends them (``TransferOp.token_bytes``)."""
+    """Token ids as the scheduler sends them (``StepOps.tokens``)."""
     return CacheKey(model_name="m", world_size=1, worker_id=None, token_ids=list(token_ids),
                     start=0, end=0, request_id="r").token_bytes
+
+
+def with_tokens(ops: list[TransferOp], first: int = 0, **kw: Any) -> StepOps:
+    """A step as the scheduler sends a request's first orders: their token ids with them
+    (``first``, ``first + 1``, ... up to each order's end)."""
+    return StepOps(ops, tokens={o.wire_id: packed(range(first, first + o.end)) for o in ops},
+                   **kw)
 
 
 class Future:
@@ -33,6 +41,9 @@ class Future:
 
     def done(self) -> bool:
         return self.ready
+
+    def wait(self, seconds: float) -> bool:
+        return self.ready  # the scheduler's tests run with lookup_wait=0 unless they say
 
     def result(self) -> Any:
         if self.error:
@@ -103,8 +114,11 @@ def request(n: int, rid: str = "r", salt: str | None = None, **kw: Any) -> Any:
                            **fields)
 
 
-def side(*clients: FakeClient) -> SchedulerSide:
-    cfg = ConnectorConfig(server_urls=tuple(f"tcp://127.0.0.1:{i}" for i in range(len(clients))))
+def side(*clients: FakeClient, lookup_wait: float = 0.0) -> SchedulerSide:
+    # No waiting for lookups by default: each call polls once (the tests step the
+    # server's answers by hand); the waits have their own tests.
+    cfg = ConnectorConfig(server_urls=tuple(f"tcp://127.0.0.1:{i}" for i in range(len(clients))),
+                          lookup_wait=lookup_wait)
     return SchedulerSide(cfg, dict(zip(cfg.server_urls, clients, strict=True)),
                          model_name="m", kv_world_size=1, block_size=BS, start_health=False)
 
@@ -117,6 +131,50 @@ def out(new: dict[str, int], cached: dict[str, list[int]] | None = None) -> Any:
                                               new_block_ids=[(b,) for b in cached.values()],
                                               resumed_req_ids=set()),
         num_scheduled_tokens=new, preempted_req_ids=None)
+
+
+class Answering(Future):
+    """A reply that is not in yet and arrives while the scheduler waits for it (after
+    ``after`` seconds), or never; records how long each wait was allowed."""
+
+    def __init__(self, value: Any = None, after: float | None = 0.001) -> None:
+        super().__init__(value, ready=False)
+        self.after = after
+        self.waits: list[float] = []
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        if self.after is not None and self.after <= seconds:
+            time.sleep(self.after)
+            self.ready = True
+        else:
+            time.sleep(seconds)
+        return self.ready
+
+
+def test_a_lookup_answered_within_the_wait_is_a_hit_in_the_same_step() -> None:
+    # Without the wait, a hit costs two scheduler steps of "not yet" before its load
+    # is even ordered; a local server answers in about a millisecond.
+    a = FakeClient(hits=2)
+    a.ack = Answering(None)
+    a.answers = [Answering(2)]
+    s = side(a, lookup_wait=0.05)
+    assert s.get_num_new_matched_tokens(request(4 * CHUNK), 0) == (2 * CHUNK, True)
+    assert [c[0] for c in a.calls] == ["LOOKUP", "QUERY"]
+
+
+def test_lookups_share_one_wait_per_scheduler_step() -> None:
+    a = FakeClient()
+    a.ack = Answering(None, after=None)  # the server never answers
+    s = side(a, lookup_wait=0.02)
+    t0 = time.monotonic()
+    assert s.get_num_new_matched_tokens(request(4 * CHUNK, "r1"), 0) == (None, True)
+    assert s.get_num_new_matched_tokens(request(4 * CHUNK, "r2"), 0) == (None, True)
+    assert time.monotonic() - t0 < 0.02 * 3  # the second found the budget spent
+    assert len(a.ack.waits) == 1 and 0 < a.ack.waits[0] <= 0.02
+    s.build_step(out({}))  # a new step: a new budget
+    assert s.get_num_new_matched_tokens(request(4 * CHUNK, "r1"), 0) == (None, True)
+    assert len(a.ack.waits) == 2
 
 
 def test_lookup_reports_not_yet_until_every_server_answered() -> None:
@@ -233,9 +291,10 @@ def test_token_ids_outside_uint32_bypass() -> None:
     assert s.trackers["r"].state is State.BYPASS and c.calls == []
 
 
-def test_operations_carry_one_packed_copy_of_the_tokens() -> None:
+def test_a_request_s_tokens_go_to_the_workers_packed_and_once() -> None:
     """The tokens are checked and packed once per request (not per lookup, free and
-    step): the workers get big-endian uint32 bytes, LMCache 0.5.7's token_bytes."""
+    step) and sent to the workers with the request's first order only: big-endian
+    uint32 bytes, LMCache 0.5.7's token_bytes; the workers drop them when told."""
     class ConstantList(Sequence[int]):  # as vLLM hands request.all_token_ids over
         def __init__(self, x: list[int]) -> None:
             self._x = x
@@ -252,11 +311,45 @@ def test_operations_carry_one_packed_copy_of_the_tokens() -> None:
     r.all_token_ids = ConstantList(r.all_token_ids)
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, list(range(1, 10)), 0)
-    (st,) = s.build_step(out({"r": 2 * CHUNK + 5})).stores()
-    assert isinstance(st.token_bytes, bytes) and len(st.token_bytes) == 4 * (2 * CHUNK + 5)
-    assert st.token_bytes[:8] == bytes([0, 0, 0, 1, 0, 0, 0, 2])
-    assert st.token_ids == tuple(r.all_token_ids)
-    assert st.token_bytes is s.trackers["r"].key.token_bytes  # packed once, shared
+    step = s.build_step(out({"r": CHUNK}))
+    (st,) = step.stores()
+    sid = s.trackers["r"].session_id
+    assert list(step.tokens) == [sid] and st.wire_id == sid
+    tokens = step.tokens[sid]
+    assert isinstance(tokens, bytes) and len(tokens) == 4 * (2 * CHUNK + 5)
+    assert tokens[:8] == bytes([0, 0, 0, 1, 0, 0, 0, 2])
+    assert tokens is s.trackers["r"].key.token_bytes  # packed once, shared
+    # The next order of the same request comes without them; the worker has them.
+    later = s.build_step(out({}, {"r": []}))
+    assert later.stores() == [] and later.tokens == {}
+    s.trackers["r"].scheduled += CHUNK + 5
+    later = s.build_step(out({}, {"r": []}))
+    (st2,) = later.stores()
+    assert later.tokens == {} and (st2.start, st2.end) == (CHUNK, 2 * CHUNK)
+    reg = FakeReg()
+    w = worker(reg, FakeClient())
+    w.start_stores(step)
+    w.start_stores(later)
+    keys = [sent[1] for sent in reg.sent]
+    assert [(k.start, k.end) for k in keys] == [(0, CHUNK), (CHUNK, 2 * CHUNK)]
+    assert keys[1].token_ids == tuple(r.all_token_ids) and keys[1].request_id == sid
+    assert keys[0]._tokens is keys[1]._tokens  # checked once on the worker too
+    # Finished and done with: the next step tells the workers to forget them.
+    s.request_finished(r)
+    s.update_connector_output(None, {"r"})
+    forget = s.build_step(out({}))
+    assert forget.forget == [sid]
+    w.start_loads(forget)
+    assert sid not in w._tokens and sid not in w._keys
+
+
+def test_an_order_whose_tokens_never_came_fails_cleanly() -> None:
+    reg = FakeReg()
+    w = worker(reg, FakeClient())
+    w.start_stores(StepOps([op("STORE")]))  # no tokens: a scheduler bug, not a crash
+    assert reg.sent == [] and w.stats["store_errors"] == 1
+    w.start_loads(StepOps([op("RETRIEVE", "q")]))
+    assert w.get_finished(set())[1] == {"q"} and w.load_errors() == {1, 2, 3, 4}
 
 
 def test_prompt_embeds_and_multimodal_bypass() -> None:
@@ -375,13 +468,13 @@ def worker(reg: FakeReg, client: FakeClient) -> WorkerSide:
 
 
 def op(direction: str, rid: str = "r", blocks: tuple[int, ...] = (1, 2, 3, 4)) -> TransferOp:
-    return TransferOp(direction, rid, packed(range(CHUNK)), 0, CHUNK, blocks)
+    return TransferOp(direction, rid, 0, CHUNK, blocks)
 
 
 def test_worker_keys_carry_the_rank_placement() -> None:
     reg = FakeReg()
     w = worker(reg, FakeClient())
-    w.start_stores(StepOps([op("STORE")]))
+    w.start_stores(with_tokens([op("STORE")]))
     key = reg.sent[0][1]
     assert (w.place.url, key.world_size, key.worker_id) == ("tcp://h:2", 2, 1)
 
@@ -391,7 +484,7 @@ def test_failed_retrieve_reports_its_blocks(outcome: Future) -> None:
     reg = FakeReg()
     reg.next = Future(ready=False)
     w = worker(reg, FakeClient())
-    w.start_loads(StepOps([op("RETRIEVE", blocks=(5, 6, 7, 8))]))
+    w.start_loads(with_tokens([op("RETRIEVE", blocks=(5, 6, 7, 8))]))
     assert w.get_finished(set()) == (set(), set())  # in flight: only polled
     reg.next.ready, reg.next.value, reg.next.error = True, outcome.value, outcome.error
     assert w.get_finished(set()) == (set(), {"r"})
@@ -402,8 +495,8 @@ def test_unhealthy_server_fails_loads_at_once_and_skips_stores() -> None:
     reg, client = FakeReg(), FakeClient()
     w = worker(reg, client)
     client.healthy = False
-    w.start_loads(StepOps([op("RETRIEVE", "a")], held=["b"]))
-    w.start_stores(StepOps([op("STORE", "b")]))
+    w.start_loads(with_tokens([op("RETRIEVE", "a")], held=["b"]))
+    w.start_stores(with_tokens([op("STORE", "b")]))
     assert reg.sent == []
     assert w.get_finished({"b"}) == ({"b"}, {"a"}) and w.load_errors() == {1, 2, 3, 4}
     assert w.stats["skipped_stores"] == 1
@@ -414,7 +507,7 @@ def test_held_request_is_reported_after_its_stores_and_no_other() -> None:
     reg.next = Future(True, ready=False)
     w = worker(reg, FakeClient())
     w.start_loads(StepOps())
-    w.start_stores(StepOps([op("STORE")]))
+    w.start_stores(with_tokens([op("STORE")]))
     # vLLM says r finished; the scheduler holds it (next step): reported once stored.
     assert w.get_finished({"r", "other"}) == (set(), set())
     w.start_loads(StepOps(held=["r"]))
@@ -449,11 +542,11 @@ def test_cpu_engine_driven_transfers_leave_the_forward_thread() -> None:
     reg.store_async = store_async  # type: ignore[method-assign]
     w = worker(reg, FakeClient())
     try:
-        w.start_stores(StepOps([op("STORE")]))  # returns while the "round trip" waits
+        w.start_stores(with_tokens([op("STORE")]))  # returns while the "round trip" waits
         w.start_loads(StepOps(held=["r"]))
         assert w.get_finished(set()) == (set(), set())
         gate.set()
-        w.start_stores(StepOps([op("STORE", "q")]))
+        w.start_stores(with_tokens([op("STORE", "q")]))
         w.flush_stores()  # waits for both (a preemption)
         assert w.get_finished(set()) == ({"r"}, set())
         assert threads and all(t.startswith("lmcache-mp-vllm-transfers") for t in threads)
@@ -483,7 +576,7 @@ def test_abort_during_a_pending_load_never_reports_it_sent() -> None:
     w = worker(reg, FakeClient())
     step = s.build_step(out({}))
     assert step.held == []
-    w.start_loads(StepOps([load]))
+    w.start_loads(with_tokens([load]))
     assert w.get_finished({"r"}) == (set(), set())
     reg.next.ready = True
     assert w.get_finished(set()) == (set(), {"r"})
@@ -583,9 +676,9 @@ def test_each_request_instance_has_its_own_server_session() -> None:
 def test_worker_sends_the_session_id_and_reports_vllms_id() -> None:
     reg = FakeReg()
     w = worker(reg, FakeClient())
-    o = TransferOp("STORE", "r", packed(range(CHUNK)), 0, CHUNK, (1, 2, 3, 4),
+    o = TransferOp("STORE", "r", 0, CHUNK, (1, 2, 3, 4),
                    session_id="r~abc0")
-    w.start_stores(StepOps([o], held=["r"]))
+    w.start_stores(with_tokens([o], held=["r"]))
     assert reg.sent[0][1].request_id == "r~abc0"
     w.start_loads(StepOps(held=["r"]))
     assert w.get_finished({"r"})[0] == {"r"}
@@ -607,7 +700,9 @@ def test_save_decode_cache_stores_chunks_of_generated_tokens() -> None:
             assert step.stores() == []
     (decoded,) = step.stores()
     assert (decoded.start, decoded.end) == (CHUNK, 2 * CHUNK)
-    assert decoded.token_ids[CHUNK + 8:2 * CHUNK] == tuple(5000 + i for i in range(CHUNK - 8))
+    # The tokens grew by a chunk: the workers get them again, with this order.
+    grown = unpack_token_bytes(step.tokens[decoded.wire_id])
+    assert grown[CHUNK + 8:2 * CHUNK] == tuple(5000 + i for i in range(CHUNK - 8))
     # Without the key only whole prompt chunks are stored.
     plain = side(FakeClient())
     r2 = request(CHUNK + 8, "p")
@@ -650,12 +745,12 @@ def test_registration_is_retried_while_the_server_is_down() -> None:
                    placement(["tcp://h:1"], 1, 0), "m")
     w.set_registration(register, BS)
     assert w.reg is None
-    w.start_loads(StepOps([op("RETRIEVE")]))  # fails at once, reported as an error
+    w.start_loads(with_tokens([op("RETRIEVE")]))  # fails at once, reported as an error
     assert w.get_finished(set())[1] == {"r"} and w.load_errors()
     import time
 
     time.sleep(0.02)
-    w.start_stores(StepOps([op("STORE")]))
+    w.start_stores(with_tokens([op("STORE")]))
     assert w.reg is not None and len(calls) == 2
 
 
@@ -677,6 +772,11 @@ def test_config_keys_are_lmcaches() -> None:
         ConnectorConfig.from_extra({"lmcache.mp.mp_transfer_mode": "fast"})
     with pytest.raises(InvalidArgument, match="mq_timeout"):
         ConnectorConfig.from_extra({"lmcache.mp.mq_timeout": 0})
+    assert ConnectorConfig.from_extra({}).lookup_wait == 0.005
+    assert ConnectorConfig.from_extra({"lmcache.mp.lookup_wait": 0}).lookup_wait == 0.0
+    for bad in (-0.001, "inf", "soon"):
+        with pytest.raises(InvalidArgument, match="lookup_wait"):
+            ConnectorConfig.from_extra({"lmcache.mp.lookup_wait": bad})
 
 
 @pytest.mark.parametrize(("key", "value", "why"), [
@@ -811,11 +911,11 @@ def test_mla_non_writer_rank_loads_but_never_stores() -> None:
     w = WorkerSide(ConnectorConfig(), client, placement(["tcp://h:1"], 2, 1, mla=True,
                                                         tp_size=2), "m")
     w.set_registration(lambda: reg, BS)
-    w.start_stores(StepOps([op("STORE")]))
+    w.start_stores(with_tokens([op("STORE")]))
     assert reg.sent == [] and w.stats["skipped_stores"] == 0
     w.start_loads(StepOps(held=["r"]))
     assert w.get_finished({"r"}) == ({"r"}, set())  # nothing to wait for
-    w.start_loads(StepOps([op("RETRIEVE", "x")]))
+    w.start_loads(with_tokens([op("RETRIEVE", "x")]))
     ((name, key, _),) = reg.sent
     assert (name, key.world_size, key.worker_id) == ("RETRIEVE", 1, 0)
 
@@ -850,9 +950,9 @@ def test_scheduler_metrics_count_lookups_and_hits_once_per_interval() -> None:
 def test_worker_metrics_count_tokens_moved_and_failures() -> None:
     reg = FakeReg()
     w = worker(reg, FakeClient())
-    w.start_loads(StepOps([TransferOp("RETRIEVE", "a", packed(range(CHUNK)), 0, CHUNK,
+    w.start_loads(with_tokens([TransferOp("RETRIEVE", "a", 0, CHUNK,
                                       (1, 2, 3, 4), "", 2 * BS)]))
-    w.start_stores(StepOps([op("STORE", "b")]))
+    w.start_stores(with_tokens([op("STORE", "b")]))
     w.get_finished(set())
     data = w.metrics.take()
     assert data is not None
@@ -861,8 +961,8 @@ def test_worker_metrics_count_tokens_moved_and_failures() -> None:
     assert (data["stores"], data["stored_tokens"]) == (1, CHUNK)
     assert len(data["load_seconds"]) == len(data["store_seconds"]) == 1
     reg.next = Future(False)
-    w.start_loads(StepOps([op("RETRIEVE", "c")]))
-    w.start_stores(StepOps([op("STORE", "d")]))
+    w.start_loads(with_tokens([op("RETRIEVE", "c")]))
+    w.start_stores(with_tokens([op("STORE", "d")]))
     w.get_finished(set())
     data = w.metrics.take()
     assert data is not None

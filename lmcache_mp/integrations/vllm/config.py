@@ -28,7 +28,8 @@ PREFIX = "lmcache.mp."
 #: LMCache's keys (0.5.3-0.5.7rc2) whose every accepted value is what this connector
 #: does anyway: key -> (the values accepted, what this connector does).
 SAME_AS_OURS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "nonblocking_lookup_status": ((True,), "lookups never block the scheduler"),
+    "nonblocking_lookup_status": ((True,), "lookups never block the scheduler beyond "
+                                           "lmcache.mp.lookup_wait a step (0: never)"),
     "hash_algorithm": (("blake3",), "chunk keys are blake3 hashes (start the server "
                                     "with its default --hash-algorithm blake3)"),
     "use_vmm_api": ((True, False), "CUDA VMM memory (the cumem allocator) is detected "
@@ -66,6 +67,10 @@ class ConnectorConfig:
     # load is recomputed by vLLM), and how long a scheduler LOOKUP may stay unanswered.
     transfer_timeout: float = 30.0
     lookup_timeout: float = 5.0
+    #: How long the scheduler waits in one step for lookups' answers before telling
+    #: vLLM "not yet" (a local server answers in about a millisecond; without the wait
+    #: a hit costs two more scheduler steps before its load even starts). 0: never wait.
+    lookup_wait: float = 0.005
     #: Seconds between the scheduler's health probes of each server.
     health_interval: float = 2.0
 
@@ -75,7 +80,7 @@ class ConnectorConfig:
                if isinstance(k, str) and k.startswith(PREFIX)}
         known = {"server_urls", "host", "port", "mq_timeout", "heartbeat_interval",
                  "mp_transfer_mode", "save_decode_cache", "transfer_timeout",
-                 "lookup_timeout", "health_interval"}
+                 "lookup_timeout", "lookup_wait", "health_interval"}
         for k in sorted(raw):
             refused = next((why for p, why in REFUSED.items() if k.startswith(p)), None)
             if refused is not None:
@@ -107,6 +112,7 @@ class ConnectorConfig:
             save_decode_cache=_bool(raw.get("save_decode_cache", False)),
             transfer_timeout=_seconds(raw, "transfer_timeout", cls.transfer_timeout),
             lookup_timeout=_seconds(raw, "lookup_timeout", cls.lookup_timeout),
+            lookup_wait=_seconds(raw, "lookup_wait", cls.lookup_wait, zero_ok=True),
             health_interval=_seconds(raw, "health_interval", cls.health_interval),
         )
 
@@ -131,13 +137,16 @@ def _scheme(url: str) -> str:
     return url if "://" in url else f"tcp://{url}"
 
 
-def _seconds(raw: Mapping[str, Any], name: str, default: float) -> float:
+def _seconds(raw: Mapping[str, Any], name: str, default: float, *,
+             zero_ok: bool = False) -> float:
     try:
         value = float(raw.get(name, default))
     except (TypeError, ValueError):
         raise InvalidArgument(f"{PREFIX}{name} must be a number of seconds, "
                               f"got {raw.get(name)!r}") from None
-    if not value > 0:
+    if zero_ok and not 0 <= value < float("inf"):
+        raise InvalidArgument(f"{PREFIX}{name} must be >= 0 and finite, got {value}")
+    if not zero_ok and not value > 0:
         raise InvalidArgument(f"{PREFIX}{name} must be > 0, got {value}")
     return value
 

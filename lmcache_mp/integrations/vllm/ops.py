@@ -3,15 +3,16 @@
 vLLM sends the connector metadata from the scheduler to every worker process (pickled
 inside its ``SchedulerOutput``), so these are small dataclasses with no client state.
 Token ids travel packed (``bytes``, big-endian uint32: LMCache 0.5.7's
-``token_bytes``, packed once per request by the scheduler): a tuple of Python ints costs
-~12 us per 1k tokens to pickle and ~50 us to unpickle on every worker, each step.
+``token_bytes``, packed once per request by the scheduler), and once per request, not
+with every order: a step's ``tokens`` carries the ids of the requests whose first order
+it is (or whose ids grew), the workers keep them until the step's ``forget`` names the
+request (a tuple of Python ints costs ~12 us per 1k tokens to pickle and ~50 us to
+unpickle on every worker; 16k packed tokens are 64 KiB of metadata a step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from ...keys import unpack_token_bytes
 
 __all__ = ["TransferOp", "StepOps"]
 
@@ -23,8 +24,6 @@ class TransferOp:
 
     direction: str  # "STORE" | "RETRIEVE"
     request_id: str
-    #: The request's token ids so far, big-endian uint32 (``CacheKey.token_bytes``).
-    token_bytes: bytes
     start: int
     end: int
     block_ids: tuple[int, ...]
@@ -38,11 +37,6 @@ class TransferOp:
     def wire_id(self) -> str:
         return self.session_id or self.request_id
 
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        """The token ids as ints (tests and logs; the transfers use the bytes)."""
-        return unpack_token_bytes(self.token_bytes)
-
 
 @dataclass
 class StepOps:
@@ -54,6 +48,12 @@ class StepOps:
     #: "finished sending" (``request_finished`` returned True): each worker reports
     #: them once its stores of them are done, and reports no other request so.
     held: list[str] = field(default_factory=list)
+    #: Wire id (session) -> the request's token ids so far, big-endian uint32
+    #: (``CacheKey.token_bytes``): sent with a request's first order, and again only
+    #: when they grew (``save_decode_cache``); the workers keep them.
+    tokens: dict[str, bytes] = field(default_factory=dict)
+    #: Wire ids the workers may forget the tokens of (their requests are done).
+    forget: list[str] = field(default_factory=list)
 
     def retrieves(self) -> list[TransferOp]:
         return [op for op in self.ops if op.direction == "RETRIEVE"]

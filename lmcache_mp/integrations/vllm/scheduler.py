@@ -1,8 +1,9 @@
 """The scheduler side: lookups, lock bookkeeping and the per-step transfer orders.
 
 It follows LMCache's connector (``LMCacheMPConnector``, 0.5.6): a request's
-chunk-aligned prefix is looked up on every server without waiting (vLLM is told "not
-yet" until every answer is in); the hit is the minimum over servers (extra locks are
+chunk-aligned prefix is looked up on every server, waiting for the answers at most
+``lookup_wait`` per scheduler step (5 ms; vLLM is told "not yet" until every answer is
+in, and a local server's usually is within the step); the hit is the minimum over servers (extra locks are
 freed); chunks vLLM's own prefix cache already holds have their locks freed, and the
 RETRIEVE skips them; newly computed whole prompt chunks (and decode chunks with
 ``save_decode_cache``) are stored; a preempted request looks up again; a finished
@@ -112,6 +113,8 @@ class Tracker:
     frees: list[Any] = field(default_factory=list)  # this request's FREE replies
     #: Finished with STOREs in flight: END_SESSION waits for "finished sending".
     sending: bool = False
+    #: The key whose token ids the workers were sent (``StepOps.tokens``).
+    sent_key: CacheKey | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -142,8 +145,12 @@ class SchedulerSide:
         self.chunk_size: int | None = None
         self.healthy = {url: False for url in clients}
         self._background: list[Any] = []  # fire-and-forget futures, reaped each step
+        #: Until when (monotonic) this step's lookups may wait for answers (0: not set).
+        self._wait_until = 0.0
         #: Finished requests the workers must report "finished sending" (next step).
         self._held: list[str] = []
+        #: Sessions whose token ids the workers may drop (next step).
+        self._forget: list[str] = []
         #: Finished requests not yet done with the server: a RETRIEVE to order, a load
         #: to be reported, lookups to settle, frees to be answered; then END_SESSION.
         self._finishing: list[Tracker] = []
@@ -267,6 +274,9 @@ class SchedulerSide:
                 t.vllm_hit = num_computed_tokens - num_computed_tokens % self.block_size
             return 0, False
         if t.hit is None:
+            if not self._wait_until:
+                # One budget per scheduler step, shared by its requests' lookups.
+                self._wait_until = time.monotonic() + self.cfg.lookup_wait
             self._advance_lookup(t)
             if t.hit is None:
                 return None, True
@@ -281,7 +291,8 @@ class SchedulerSide:
         return need, need > 0
 
     def _advance_lookup(self, t: Tracker) -> None:
-        """Send the lookups, or collect their answers, without blocking."""
+        """Send the lookups, or collect their answers, waiting for them at most until
+        the step's ``lookup_wait`` budget is spent."""
         chunk = self.chunk_size
         if not t.lookups:
             end = 0 if chunk is None else t.num_tokens // chunk * chunk
@@ -294,13 +305,20 @@ class SchedulerSide:
                 t.lookups[url] = _Lookup(_try(functools.partial(
                     client.submit_lookup_async, key, self.lookup_tp_size,
                     timeout=self.cfg.lookup_timeout, mla=self.mla)))
-        pending = False
-        for url, lk in t.lookups.items():
-            if lk.chunks is None:
-                self._poll(url, t, lk)
-            pending = pending or lk.chunks is None
-        if pending:
-            return
+        while True:
+            waiting = None
+            for url, lk in t.lookups.items():
+                if lk.chunks is None:
+                    self._poll(url, t, lk)
+                if lk.chunks is None:
+                    waiting = waiting or lk.query or lk.submit
+            if waiting is None:
+                break
+            # A local server answers in about a millisecond: waiting that long here
+            # saves the request the scheduler steps of "not yet" (bounded per step).
+            left = self._wait_until - time.monotonic()
+            if left <= 0 or not waiting.wait(left):
+                return
         assert chunk is not None
         counts = {url: lk.chunks or 0 for url, lk in t.lookups.items()}
         least = min(counts.values())
@@ -409,11 +427,13 @@ class SchedulerSide:
     # ------------------------------------------------------------------ steps
     def build_step(self, scheduler_output: Any) -> StepOps:
         self._background = [f for f in self._background if not f.done()]
+        self._wait_until = 0.0  # the next step's lookups may wait again
         step = StepOps(flush_stores=bool(getattr(scheduler_output, "preempted_req_ids", None)))
         step.held, self._held = self._held, []
+        step.forget, self._forget = self._forget, []
         for t in [*self.trackers.values(), *self._finishing]:
             if t.state is State.LOADING:
-                step.ops.append(self._retrieve_op(t))
+                self._order(step, t, self._retrieve_op(t))
         for new in scheduler_output.scheduled_new_reqs:
             self._scheduled(step, new.req_id, scheduler_output, None)
         cached = scheduler_output.scheduled_cached_reqs
@@ -433,13 +453,21 @@ class SchedulerSide:
         self._advance_finishing()
         return step
 
+    def _order(self, step: StepOps, t: Tracker, op: TransferOp) -> None:
+        """Add ``op`` to the step, with the request's token ids if the workers do not
+        have these yet."""
+        step.ops.append(op)
+        if t.sent_key is not t.key:
+            assert t.key is not None
+            step.tokens[t.session_id] = t.key.token_bytes
+            t.sent_key = t.key
+
     def _retrieve_op(self, t: Tracker) -> TransferOp:
         t.state, t.load_ordered = State.READY, True
         chunk = self.chunk_size
         assert chunk is not None and t.hit is not None
         start = t.vllm_hit // chunk * chunk
-        assert t.key is not None
-        return TransferOp("RETRIEVE", t.request_id, t.key.token_bytes, start, t.hit,
+        return TransferOp("RETRIEVE", t.request_id, start, t.hit,
                           self._blocks(t, start, t.hit), t.salt, t.vllm_hit - start,
                           t.session_id)
 
@@ -453,7 +481,7 @@ class SchedulerSide:
         t.scheduled += int(out.num_scheduled_tokens.get(rid, 0))
         op = self._store_op(t)
         if op is not None:
-            step.ops.append(op)
+            self._order(step, t, op)
             t.stores_ordered = True
 
     def _store_op(self, t: Tracker) -> TransferOp | None:
@@ -477,7 +505,7 @@ class SchedulerSide:
         if n < 1:
             return None
         start, t.stored = t.stored, t.stored + n * chunk
-        return TransferOp("STORE", t.request_id, t.key.token_bytes, start, t.stored,
+        return TransferOp("STORE", t.request_id, start, t.stored,
                           self._blocks(t, start, t.stored), t.salt,
                           session_id=t.session_id)
 
@@ -547,6 +575,8 @@ class SchedulerSide:
                 if self.healthy.get(url):
                     self._send(functools.partial(client.end_session_async, t.session_id,
                                                  timeout=self.cfg.lookup_timeout))
+            if t.sent_key is not None:
+                self._forget.append(t.session_id)
         self._finishing = left
 
 

@@ -77,19 +77,25 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data = _empty()
+        # vLLM asks every step, on every process; most steps record nothing.
+        self._dirty = False
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._data[name] += n
+            self._dirty = True
 
     def observe(self, name: str, seconds: float) -> None:
         with self._lock:
             self._data[name].append(seconds)
+            self._dirty = True
 
     def take(self) -> dict[str, Any] | None:
         """The interval's observations (None when nothing happened), and a new one."""
+        if not self._dirty:  # read without the lock: a racing add is taken next time
+            return None
         with self._lock:
-            data, self._data = self._data, _empty()
+            data, self._data, self._dirty = self._data, _empty(), False
         return None if is_empty(data) else data
 
 

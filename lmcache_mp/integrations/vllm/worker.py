@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import LMCacheMPError
+from ...errors import InvalidArgument, LMCacheMPError
 from ...ipc.cpu_cache import CpuKVCache
 from ...keys import CacheKey
 from .config import ConnectorConfig, RankPlacement
@@ -104,6 +104,11 @@ class WorkerSide:
         self.metrics = Counters()
         #: Engine-driven CPU transfers run here (see the module's docstring).
         self._transfers: ThreadPoolExecutor | None = None
+        #: Per wire id (session): the request's packed token ids, as the scheduler sent
+        #: them once (``StepOps.tokens``), and the key checked from them on first use.
+        self._tokens: dict[str, bytes] = {}
+        self._keys: dict[str, CacheKey] = {}
+        self._learned: StepOps | None = None
 
     # ----------------------------------------------------------- registering
     def set_registration(self, register: Callable[[], Any], block_size: int) -> None:
@@ -141,17 +146,40 @@ class WorkerSide:
             return f"the KV cache is not registered with {self.place.url} (yet)"
         return f"the server at {self.place.url} is not answering heartbeats"
 
+    def _learn(self, step: StepOps) -> None:
+        """The step's token ids and forgotten sessions (once per step)."""
+        if step is self._learned:
+            return
+        self._learned = step
+        for sid in step.forget:
+            self._tokens.pop(sid, None)
+            self._keys.pop(sid, None)
+        for sid, packed in step.tokens.items():
+            self._tokens[sid] = packed
+            self._keys.pop(sid, None)
+
     def _key(self, op: TransferOp) -> CacheKey:
-        return CacheKey(model_name=self.model_name, world_size=self.place.kv_world_size,
-                        worker_id=self.place.kv_worker_id,
-                        # The scheduler's packed ids, read in bulk (no int per token).
-                        token_ids=np.frombuffer(op.token_bytes, dtype=">u4"),
-                        start=op.start, end=op.end, request_id=op.wire_id,
-                        cache_salt=op.cache_salt)
+        """The op's key: cut from the request's key, built (and its token ids checked,
+        read in bulk, no int per token) once per request."""
+        sid = op.wire_id
+        base = self._keys.get(sid)
+        if base is None or base.cache_salt != op.cache_salt:
+            packed = self._tokens.get(sid)
+            if packed is None:
+                raise InvalidArgument(
+                    f"{op.direction} of {op.request_id}: the scheduler's metadata never "
+                    f"carried its token ids (a connector bug: please report it)")
+            base = CacheKey(model_name=self.model_name, world_size=self.place.kv_world_size,
+                            worker_id=self.place.kv_worker_id,
+                            token_ids=np.frombuffer(packed, dtype=">u4"), start=0,
+                            end=len(packed) // 4, request_id=sid, cache_salt=op.cache_salt)
+            self._keys[sid] = base
+        return base.with_range(op.start, op.end)
 
     # -------------------------------------------------------------- transfers
     def start_loads(self, step: StepOps) -> None:
         """The step's RETRIEVEs (and which finished requests to report once stored)."""
+        self._learn(step)
         self._held.update(step.held)
         for op in step.retrieves():
             future = None
@@ -172,6 +200,7 @@ class WorkerSide:
                 (future, op.block_ids, tokens, time.monotonic()))
 
     def start_stores(self, step: StepOps) -> None:
+        self._learn(step)
         if not self.place.writer:
             return  # MLA: another TP rank stores the same bytes (LMCache's rule)
         for op in step.stores():
