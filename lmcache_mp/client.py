@@ -111,6 +111,13 @@ class Client(ControlPlane, InstanceIdAPI):
         return self._conn.profile.name
 
     @property
+    def protocol_identified(self) -> bool:
+        """Whether the server's protocol is known on the current connection: until it
+        is (a new client, or a reconnect), the next call first runs a protocol probe
+        (up to 2 s). Threads that must not wait can check this and skip the call."""
+        return self._conn.identified
+
+    @property
     def detection(self) -> Detection | None:
         """What the last protocol probe found (None if none ran)."""
         return self._conn.detection

@@ -91,6 +91,12 @@ class Connection:
         finally:
             self._detect_lock.release()
 
+    @property
+    def identified(self) -> bool:
+        """Whether the server's protocol is known on the current connection (a call
+        made now would not wait for a protocol probe first)."""
+        return self._current() is not None
+
     def _current(self) -> Profile | None:
         """The profile, if it was identified on the current connection."""
         p = self._profile

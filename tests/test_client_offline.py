@@ -374,3 +374,17 @@ def test_an_mla_registration_declares_every_tp_rank_a_reader(mla: bool, readers:
             reg.unregister()
     finally:
         server.close()
+
+
+def test_protocol_identified_says_when_a_call_would_probe_first(fake: FakeServer) -> None:
+    # The vLLM scheduler skips calls until this is True (a probe waits up to 2 s).
+    with Client(fake.url, timeout=5.0, heartbeat_interval=None) as client:
+        assert not client.protocol_identified  # nothing asked yet: "auto" probes first
+        client.noop()
+        assert client.protocol_identified
+        restart(fake, client)
+        assert not client.protocol_identified  # a new connection: identified again
+        client.noop()
+        assert client.protocol_identified
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None) as fixed:
+        assert fixed.protocol_identified  # a fixed protocol is never probed

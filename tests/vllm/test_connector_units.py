@@ -4,6 +4,7 @@ the server, lock frees, store ranges, failed loads, dead servers, configuration.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -429,6 +430,67 @@ def test_preempted_request_restarts_with_its_new_blocks() -> None:
     assert (op.start, op.end, op.block_ids) == (0, 2 * CHUNK, tuple(range(40, 48)))
 
 
+def test_a_load_never_queues_behind_stores() -> None:
+    """A warm request's first token waits for its load: on a CPU engine-driven
+    registration the load runs on its own thread while a slow store holds the other."""
+    from lmcache_mp import CpuKVCache
+
+    reg = FakeReg()
+    reg.cache = CpuKVCache.allocate(num_layers=1, num_blocks=8, block_size=BS, num_heads=1,
+                                    head_dim=8, dtype="float16")
+    gate = threading.Event()
+    stored = reg.store_async
+    loaded_on: list[str] = []
+
+    def slow_store(*args: Any, **kwargs: Any) -> Future:
+        gate.wait(10)
+        return stored(*args, **kwargs)
+
+    def retrieve_async(*args: Any, **kwargs: Any) -> Future:
+        loaded_on.append(threading.current_thread().name)
+        return Future(True)
+
+    reg.store_async = slow_store  # type: ignore[method-assign]
+    reg.retrieve_async = retrieve_async  # type: ignore[method-assign]
+    w = worker(reg, FakeClient())
+    try:
+        w.start_stores(with_tokens([op("STORE", "cold")]))
+        w.start_loads(with_tokens([op("RETRIEVE", "warm")]))
+        deadline = time.monotonic() + 5
+        while "warm" not in w.get_finished(set())[1]:
+            assert time.monotonic() < deadline, "the load waited for the store"
+            time.sleep(0.005)
+        assert loaded_on[0].startswith("lmcache-mp-vllm-loads") and not gate.is_set()
+    finally:
+        gate.set()
+        w.shutdown()
+        reg.cache.close()
+
+
+def test_a_preemption_waits_only_for_the_preempted_requests_stores() -> None:
+    s = side(FakeClient(hits=0))
+    step = s.build_step(SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set()),
+        num_scheduled_tokens={}, preempted_req_ids={"b", "a"}))
+    assert step.preempted == ["a", "b"]
+
+    class Pending(Future):
+        def result(self) -> Any:
+            waited.append(self.value)
+            return True
+
+    waited: list[str] = []
+    reg = FakeReg()
+    w = worker(reg, FakeClient())
+    for rid in ("a", "other"):
+        reg.next = Pending(rid, ready=False)
+        w.start_stores(with_tokens([op("STORE", rid)]))
+    w.flush_stores(step.preempted)  # "b" has none: nothing to wait for
+    assert waited == ["a"]  # the other request's store goes on in the background
+    assert w.get_finished(set()) == (set(), set()) and w.stats["stored"] == 1
+
+
 def test_aborted_during_lookup_frees_its_locks() -> None:
     c = FakeClient(hits=3)
     s = side(c)
@@ -547,14 +609,14 @@ def test_cpu_engine_driven_transfers_leave_the_forward_thread() -> None:
         assert w.get_finished(set()) == (set(), set())
         gate.set()
         w.start_stores(with_tokens([op("STORE", "q")]))
-        w.flush_stores()  # waits for both (a preemption)
+        w.flush_stores(["r", "q"])  # waits for both (both preempted)
         assert w.get_finished(set()) == ({"r"}, set())
-        assert threads and all(t.startswith("lmcache-mp-vllm-transfers") for t in threads)
+        assert threads and all(t.startswith("lmcache-mp-vllm-stores") for t in threads)
         assert (w.stats["stored"], w.stats["store_errors"]) == (1, 1)
     finally:
         gate.set()
         w.shutdown()
-    assert not any(t.name.startswith("lmcache-mp-vllm-transfers")
+    assert not any(t.name.startswith(("lmcache-mp-vllm-loads", "lmcache-mp-vllm-stores"))
                    for t in threading.enumerate())
 
 
@@ -730,28 +792,69 @@ def test_kv_role_is_honoured(role: str, looks_up: bool, stores: bool) -> None:
     assert bool(step.stores()) is stores
 
 
-def test_registration_is_retried_while_the_server_is_down() -> None:
+def test_registration_is_retried_in_the_background_while_the_server_is_down() -> None:
     calls = []
+    slow = threading.Event()
 
     def register() -> FakeReg:
         calls.append(1)
         if len(calls) == 1:
             raise ServerUnavailable("not yet")
+        slow.wait(5)  # a registration waiting for its deadline: never on vLLM's thread
         return FakeReg()
 
     client = FakeClient()
     client.close = lambda: None  # type: ignore[attr-defined]
     w = WorkerSide(ConnectorConfig(health_interval=0.01), client,
                    placement(["tcp://h:1"], 1, 0), "m")
-    w.set_registration(register, BS)
-    assert w.reg is None
+    w.set_registration(register, BS)  # vLLM's start-up: the first attempt, here
+    assert w.reg is None and len(calls) == 1
     w.start_loads(with_tokens([op("RETRIEVE")]))  # fails at once, reported as an error
     assert w.get_finished(set())[1] == {"r"} and w.load_errors()
-    import time
+    time.sleep(0.02)
+    t0 = time.monotonic()
+    w.start_stores(with_tokens([op("STORE")]))  # starts the retry, does not wait for it
+    w.start_stores(with_tokens([op("STORE", "q")]))  # one retry at a time
+    assert time.monotonic() - t0 < 1.0 and w.reg is None and w.stats["skipped_stores"] == 2
+    assert [t.name for t in threading.enumerate()].count("lmcache-mp-vllm-register") == 1
+    slow.set()
+    deadline = time.monotonic() + 5
+    while w.reg is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w.reg is not None and len(calls) == 2
+    w.start_stores(with_tokens([op("STORE", "s")]))
+    assert len(w.reg.sent) == 1
 
+
+def test_no_registration_is_tried_while_heartbeats_go_unanswered() -> None:
+    calls = []
+
+    def register() -> FakeReg:
+        calls.append(1)
+        raise ServerUnavailable("down")
+
+    client = FakeClient()
+    client.close = lambda: None  # type: ignore[attr-defined]
+    w = WorkerSide(ConnectorConfig(health_interval=0.01), client,
+                   placement(["tcp://h:1"], 1, 0), "m")
+    w.set_registration(register, BS)
+    client.healthy = False
     time.sleep(0.02)
     w.start_stores(with_tokens([op("STORE")]))
-    assert w.reg is not None and len(calls) == 2
+    time.sleep(0.02)
+    assert calls == [1]  # no retry started: the heartbeat says the server is down
+
+
+def test_lookups_never_wait_for_a_protocol_probe_on_the_scheduler_thread() -> None:
+    # After a reconnect the next call would probe the server's protocol first (up to
+    # 2 s): the scheduler reports a miss instead and the health thread's probe runs it.
+    c = FakeClient(hits=2)
+    s = side(c)
+    c.protocol_identified = False  # type: ignore[attr-defined]
+    assert s.get_num_new_matched_tokens(request(4 * CHUNK), 0) == (0, False)
+    assert c.calls == []
+    c.protocol_identified = True  # type: ignore[attr-defined]
+    assert s.get_num_new_matched_tokens(request(4 * CHUNK, "r2"), 0) == (2 * CHUNK, True)
 
 
 # ---------------------------------------------------------------- configuration

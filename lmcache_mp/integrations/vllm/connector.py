@@ -120,8 +120,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Called before the forward pass: preempted requests' blocks may be rewritten
         # in it, so stores still reading them must finish first.
         if (self.worker is not None and isinstance(kv_connector_metadata, LMCacheMPClientMetadata)
-                and kv_connector_metadata.step.flush_stores):
-            self.worker.flush_stores()
+                and kv_connector_metadata.step.preempted):
+            self.worker.flush_stores(kv_connector_metadata.step.preempted)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

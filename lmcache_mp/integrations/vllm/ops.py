@@ -41,9 +41,9 @@ class TransferOp:
 @dataclass
 class StepOps:
     ops: list[TransferOp] = field(default_factory=list)
-    #: vLLM preempted requests this step: their blocks may be reused, so pending
-    #: stores must finish before the forward pass writes into them.
-    flush_stores: bool = False
+    #: Requests vLLM preempted this step: their blocks may be reused, so their pending
+    #: stores must finish before the forward pass writes into them (others may go on).
+    preempted: list[str] = field(default_factory=list)
     #: Finished requests whose blocks vLLM keeps until every worker reports them
     #: "finished sending" (``request_finished`` returned True): each worker reports
     #: them once its stores of them are done, and reports no other request so.

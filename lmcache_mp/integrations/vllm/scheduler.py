@@ -192,8 +192,15 @@ class SchedulerSide:
         while not self._stop.wait(self.cfg.health_interval):
             self.check_health()
 
+    def ready(self, url: str) -> bool:
+        """The server answers its health probe and its protocol is known on the current
+        connection: a call now never waits for a protocol probe (after a reconnect, up
+        to 2 s) on the scheduler's thread; the health thread's next probe runs it."""
+        return bool(self.healthy.get(url)) and getattr(self.clients[url],
+                                                       "protocol_identified", True)
+
     def all_healthy(self) -> bool:
-        return self.chunk_size is not None and all(self.healthy.values())
+        return self.chunk_size is not None and all(self.ready(url) for url in self.clients)
 
     def shutdown(self) -> None:
         """Stop the health probes; end the sessions still waiting for their frees
@@ -371,6 +378,8 @@ class SchedulerSide:
         if not self.healthy.get(url) or time.monotonic() > lk.settle_until:
             lk.settle_until = 0.0  # a server gone or restarted holds no locks of it
             return
+        if not self.ready(url):
+            return  # asked again once the health thread has identified it
         client = self.clients[url]
         try:
             if lk.query is None:
@@ -389,7 +398,7 @@ class SchedulerSide:
         self._free(url, t, 0, int(chunks) * (self.chunk_size or 1))
 
     def _free(self, url: str, t: Tracker, start: int, end: int) -> None:
-        if end <= start or not self.healthy.get(url):
+        if end <= start or not self.ready(url):
             return
         key = self._key(t, start, end)
         client = self.clients[url]
@@ -428,7 +437,8 @@ class SchedulerSide:
     def build_step(self, scheduler_output: Any) -> StepOps:
         self._background = [f for f in self._background if not f.done()]
         self._wait_until = 0.0  # the next step's lookups may wait again
-        step = StepOps(flush_stores=bool(getattr(scheduler_output, "preempted_req_ids", None)))
+        step = StepOps(preempted=sorted(getattr(scheduler_output, "preempted_req_ids",
+                                                None) or ()))
         step.held, self._held = self._held, []
         step.forget, self._forget = self._forget, []
         for t in [*self.trackers.values(), *self._finishing]:
@@ -572,7 +582,7 @@ class SchedulerSide:
                 left.append(t)
                 continue
             for url, client in self.clients.items():
-                if self.healthy.get(url):
+                if self.ready(url):
                     self._send(functools.partial(client.end_session_async, t.session_id,
                                                  timeout=self.cfg.lookup_timeout))
             if t.sent_key is not None:

@@ -23,23 +23,26 @@ forward pass is queued on it; a finished STORE does the same before vLLM may reu
 blocks. Engine-driven CUDA transfers copy on that stream and synchronise it before
 returning.
 
-Engine-driven CPU caches: the transfers run on one background thread of the worker
-(``lmcache-mp-vllm-transfers``), not on vLLM's forward thread. Each waits for a server
+Engine-driven CPU caches: the transfers run on two background threads of the worker
+(``lmcache-mp-vllm-loads``, ``lmcache-mp-vllm-stores``), not on vLLM's forward thread:
+a load never queues behind stores (a warm request's first token waits for its load,
+nobody waits for a store). Each waits for a server
 round trip (PREPARE_*) and copies between vLLM's blocks and the server's pool; on the
 forward thread that delayed every step that stored (the first token of a cold prompt
 among them). The blocks stay put meanwhile: a RETRIEVE's request is not scheduled
 before it is reported done, a STORE reads the KV of computed tokens, which vLLM does
 not rewrite while the request runs, keeps for a finished request until its stores
-are reported done, and reuses after a preemption only once :meth:`flush_stores`
-waited for them. CUDA caches keep the calling thread (their order is the current
-stream's).
+are reported done, and reuses a preempted request's blocks only once
+:meth:`flush_stores` waited for that request's stores. CUDA caches keep the calling
+thread (their order is the current stream's).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -88,6 +91,7 @@ class WorkerSide:
         self.reg: Any = None
         self._register: Callable[[], Any] | None = None
         self._next_register = 0.0
+        self._registering: threading.Thread | None = None
         self.block_size = 0
         #: The CUDA stream of transfers: None is torch's current stream at each call.
         self.stream: Any = None
@@ -102,8 +106,9 @@ class WorkerSide:
                       "skipped_stores": 0}
         #: What vLLM's stats loggers get (``get_kv_connector_stats``), per interval.
         self.metrics = Counters()
-        #: Engine-driven CPU transfers run here (see the module's docstring).
-        self._transfers: ThreadPoolExecutor | None = None
+        #: Engine-driven CPU transfers run on these (see the module's docstring).
+        self._load_thread: ThreadPoolExecutor | None = None
+        self._store_thread: ThreadPoolExecutor | None = None
         #: Per wire id (session): the request's packed token ids, as the scheduler sent
         #: them once (``StepOps.tokens``), and the key checked from them on first use.
         self._tokens: dict[str, bytes] = {}
@@ -112,34 +117,50 @@ class WorkerSide:
 
     # ----------------------------------------------------------- registering
     def set_registration(self, register: Callable[[], Any], block_size: int) -> None:
-        """Register now if the server answers; otherwise retry before later transfers
-        (every few seconds), and fail loads meanwhile."""
+        """Register now (vLLM's start-up) if the server answers; otherwise retry in the
+        background every ``health_interval``, and fail loads meanwhile."""
         self._register = register
         self.block_size = block_size
-        self._ensure_registered()
+        self._try_register()
 
-    def _ensure_registered(self) -> bool:
-        if self.reg is not None:
-            return True
-        if self._register is None or time.monotonic() < self._next_register:
-            return False
+    def _try_register(self) -> None:
+        """One registration attempt (its errors logged, the next one scheduled)."""
+        assert self._register is not None
         try:
-            self.reg = self._register()
-            if self.reg.mode == "engine" and _is_cpu(self.reg):
-                self._transfers = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="lmcache-mp-vllm-transfers")
-            log.info("lmcache_mp connector: rank %d registered with %s (%s mode, instance "
-                     "%d)", self.place.kv_worker_id, self.place.url, self.reg.mode,
-                     self.reg.instance_id)
-            return True
+            reg = self._register()
         except LMCacheMPError as err:
             log.warning("lmcache_mp connector: cannot register the KV cache with %s yet "
                         "(%s); retrying", self.place.url, err)
             self._next_register = time.monotonic() + self.cfg.health_interval
+            return
+        if reg.mode == "engine" and _is_cpu(reg):
+            self._load_thread = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="lmcache-mp-vllm-loads")
+            self._store_thread = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="lmcache-mp-vllm-stores")
+        log.info("lmcache_mp connector: rank %d registered with %s (%s mode, instance %d)",
+                 self.place.kv_worker_id, self.place.url, reg.mode, reg.instance_id)
+        self.reg = reg  # last: the forward thread uses it as soon as it is set
+
+    def _ensure_registered(self) -> bool:
+        """Whether the cache is registered. A retry runs on a thread of its own, never
+        on vLLM's forward thread (a registration may wait its whole deadline for a
+        server that went away): requests miss meanwhile."""
+        if self.reg is not None:
+            return True
+        if self._register is None or time.monotonic() < self._next_register:
             return False
+        if self._registering is not None and self._registering.is_alive():
+            return False
+        self._next_register = float("inf")  # until this attempt says when to retry
+        self._registering = threading.Thread(target=self._try_register, daemon=True,
+                                             name="lmcache-mp-vllm-register")
+        self._registering.start()
+        return False
 
     def _usable(self) -> bool:
-        return self._ensure_registered() and bool(self.client.healthy)
+        # The heartbeat's verdict first: nothing is attempted on a server it says is down.
+        return bool(self.client.healthy) and self._ensure_registered()
 
     def _unusable_reason(self) -> str:
         if self.reg is None:
@@ -189,7 +210,7 @@ class WorkerSide:
             else:
                 try:
                     future = self._submit(
-                        self.reg.retrieve_async, self._key(op), list(op.block_ids),
+                        self._load_thread, self.reg.retrieve_async, self._key(op), list(op.block_ids),
                         skip_first_n_tokens=op.skip_first_n_tokens,
                         timeout=self.cfg.transfer_timeout, stream=self.stream)
                 except LMCacheMPError as err:
@@ -210,7 +231,7 @@ class WorkerSide:
                 self.metrics.add("store_failures")
                 continue
             try:
-                future = self._submit(self.reg.store_async, self._key(op),
+                future = self._submit(self._store_thread, self.reg.store_async, self._key(op),
                                       list(op.block_ids), timeout=self.cfg.transfer_timeout,
                                       stream=self.stream)
             except LMCacheMPError as err:
@@ -221,19 +242,21 @@ class WorkerSide:
             self._stores.setdefault(op.request_id, []).append(
                 (future, op.end - op.start, time.monotonic()))
 
-    def _submit(self, transfer: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``transfer(*args, **kwargs)`` (a ``*_async`` call) on the transfer thread if
-        there is one (its errors then surface from ``result()``), else here."""
-        if self._transfers is None:
+    @staticmethod
+    def _submit(thread: ThreadPoolExecutor | None, transfer: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+        """``transfer(*args, **kwargs)`` (a ``*_async`` call) on ``thread`` if there is
+        one (its errors then surface from ``result()``), else here."""
+        if thread is None:
             return transfer(*args, **kwargs)
-        return _Background(self._transfers.submit(transfer, *args, **kwargs))
+        return _Background(thread.submit(transfer, *args, **kwargs))
 
-    def flush_stores(self) -> None:
-        """Wait for every pending store (before preempted requests' blocks are reused)."""
-        for rid in list(self._stores):
-            for store in self._stores[rid]:
+    def flush_stores(self, request_ids: Iterable[str] | None = None) -> None:
+        """Wait for the pending stores of ``request_ids`` (preempted: their blocks are
+        about to be reused), or of every request."""
+        for rid in list(self._stores) if request_ids is None else request_ids:
+            for store in self._stores.pop(rid, ()):
                 self._store_done(rid, store)
-            self._stores.pop(rid, None)
 
     def _store_done(self, rid: str, store: tuple[Any, int, float]) -> None:
         future, tokens, submitted = store
@@ -308,13 +331,17 @@ class WorkerSide:
     # ----------------------------------------------------------------- closing
     def shutdown(self) -> None:
         deadline = time.monotonic() + self.cfg.transfer_timeout
+        registering = self._registering
+        if registering is not None:  # bounded by the registration's own deadline
+            registering.join(timeout=max(0.0, deadline - time.monotonic()))
         for rid in list(self._stores):
             for store in self._stores.pop(rid):
                 if time.monotonic() < deadline:
                     self._store_done(rid, store)
-        if self._transfers is not None:
-            self._transfers.shutdown(wait=True)  # each transfer is bounded by its deadline
-            self._transfers = None
+        for thread in (self._load_thread, self._store_thread):
+            if thread is not None:
+                thread.shutdown(wait=True)  # each transfer is bounded by its deadline
+        self._load_thread = self._store_thread = None
         if self.reg is not None:
             try:
                 self.reg.unregister(timeout=min(self.cfg.mq_timeout, 10.0))
