@@ -17,12 +17,12 @@ from .errors import (
     ServerUnavailable,
     ServerUnresponsive,
 )
-from .futures import ReplyFuture
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 from .protocol.types import BlockAllocationRecord, EngineGroupInfo
 from .registration import Registration
 from .request import Request
+from .transport import ReplyFuture
 
 __version__ = "0.2.0"
 

@@ -22,13 +22,12 @@ from .errors import (
     ServerUnavailable,
     ServerUnresponsive,
 )
-from .futures import ReplyFuture
 from .keys import CacheKey
 from .protocol import Profile, decode_reply, encode_request, get_profile
 from .protocol.detect import Detection, detect
 from .protocol.detect import _unregister_unknown as unregister_unknown
 from .protocol.operations import Operation
-from .transport import PendingRequest, Transport
+from .transport import PendingRequest, ReplyFuture, Transport
 
 __all__ = ["Connection", "DEFAULT_TIMEOUT"]
 
@@ -60,7 +59,7 @@ class Connection:
         self._chunk: tuple[int, int] | None = None  # (epoch, chunk size)
         self.transport = Transport(self.url)
         if self._profile is not None:
-            self.transport.liveness.frames = [self._profile.op("NOOP").type_frame]
+            self.transport.set_probe_frames([self._profile.op("NOOP").type_frame])
 
     # ---------------------------------------------------------------- profile
     @property
@@ -133,7 +132,7 @@ class Connection:
                 self.transport.cancel(p)
         self.detection = detection
         profile = self._profile = get_profile(detection.profile)
-        self.transport.liveness.frames = [profile.op("NOOP").type_frame]
+        self.transport.set_probe_frames([profile.op("NOOP").type_frame])
         self._profile_epoch = max(p.sent_epoch for p in pending.values())
         return profile
 

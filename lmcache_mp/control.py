@@ -12,9 +12,9 @@ import msgspec
 from .checks import non_negative_int, non_negative_seconds, positive_seconds
 from .connection import Connection
 from .errors import InvalidArgument
-from .futures import ReplyFuture, blocking
 from .keys import CacheKey
 from .protocol.types import BlockAllocationRecord
+from .transport import ReplyFuture, blocking
 
 __all__ = ["ControlPlane"]
 

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING, Any
 from .blocks import BlockIds
 from .connection import Connection
 from .errors import InvalidArgument
-from .futures import ReplyFuture, blocking
 from .ipc.base import ExportableKVCache
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 from .liveness import Registry
 from .protocol.types import EngineGroupInfo, RegisterEngineDrivenContextResponse
 from .registration import Mode, Registration
+from .transport import ReplyFuture, blocking
 
 __all__ = ["InstanceIdAPI"]
 

@@ -32,7 +32,6 @@ from .checks import is_int
 from .connection import Connection
 from .engine_driven import NO_POOL_HELP, Pool, PoolMaps
 from .errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
-from .futures import ReplyFuture, blocking
 from .ipc.base import ExportableKVCache
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
@@ -43,6 +42,7 @@ from .protocol.types import (
     RegisterEngineDrivenContextResponse,
 )
 from .transfers import remaining, unsent, within
+from .transport import ReplyFuture, blocking
 
 if TYPE_CHECKING:
     from .request import Request

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 from .blocks import BlockIds
 from .checks import positive_int
 from .errors import InvalidArgument, LMCacheMPError
-from .futures import ReplyFuture, blocking
 from .keys import CacheKey
+from .transport import ReplyFuture, blocking
 
 if TYPE_CHECKING:
     from .registration import Registration

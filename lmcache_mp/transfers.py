@@ -27,12 +27,11 @@ from .errors import (
     RequestTimeout,
     ServerUnavailable,
 )
-from .futures import ReplyFuture
 from .keys import CacheKey
 from .protocol import decode_reply
 from .protocol.operations import Operation
 from .protocol.types import PrepareRetrieveResponse, PrepareStoreResponse
-from .transport_pending import PendingRequest
+from .transport import PendingRequest, ReplyFuture
 
 if TYPE_CHECKING:
     from .registration import Binding, Registration

@@ -13,16 +13,17 @@ deadline (see :meth:`ProbeState.verdict`):
 * a NOOP sent after the request was answered: the server is alive and dropped or is
   still running the request: :class:`RequestTimeout`, as before;
 * no NOOP sent after it was answered, though one has been out for a while:
-  :class:`ServerUnresponsive`, and the transport is *gated*: later calls fail at once
-  with that error instead of each waiting its deadline. The gate lifts as soon as any
-  probe is answered (a SIGCONT, a busy thread freed), or when the socket connects again
-  (a restarted server). While gated, a fresh probe goes out at most every
-  :data:`REPROBE_S`.
+  :class:`ServerUnresponsive`, and the transport's gate shuts
+  (:mod:`lmcache_mp.transport.gate`): later calls fail at once with that error instead
+  of each waiting its deadline. The gate opens as soon as any probe is answered (a
+  SIGCONT, a busy thread freed), or when the socket connects again (a restarted
+  server). While it is shut, a fresh probe goes out at most every :data:`REPROBE_S`.
 
 Nothing here runs while replies arrive in time: the probe point is computed once per
 blocking wait, and the rest only for a request that is about to time out.
-This module holds the state and the decisions; :mod:`lmcache_mp.transport_gate` does
-the I/O, under the transport's lock.
+This module holds the probes and the decisions; the transport
+(:class:`~lmcache_mp.transport.core.Transport`) sends the probes under its lock and
+moves its gate on the verdicts.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .errors import LMCacheMPError, RequestTimeout, ServerUnresponsive
+from ..errors import LMCacheMPError, RequestTimeout, ServerUnresponsive
 
 if TYPE_CHECKING:
-    from .transport_pending import PendingRequest
+    from .pending import PendingRequest
 
 __all__ = ["ProbeState", "PROBE_LEAD_S", "MIN_SILENCE_S", "REPROBE_S", "PROBE_TIMEOUT_S",
            "probe_point"]
@@ -64,7 +65,7 @@ def _created(p: PendingRequest) -> float:
 
 
 class ProbeState:
-    """The probes in flight and whether the server is judged unresponsive."""
+    """The probes in flight, and the verdicts drawn from them."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -72,8 +73,6 @@ class ProbeState:
         #: protocol is known: nothing is ever sent to an unidentified server.
         self.frames: list[bytes] | None = None
         self.probes: deque[PendingRequest] = deque()
-        #: When the server was judged unresponsive (None: it answers).
-        self.since: float | None = None
 
     # ------------------------------------------------------------- probes
     def needs_probe(self, p: PendingRequest) -> bool:
@@ -101,7 +100,7 @@ class ProbeState:
     # ------------------------------------------------------------ verdicts
     def verdict(self, p: PendingRequest, now: float) -> LMCacheMPError:
         """The error of ``p``, sent and unanswered at its deadline (see the module
-        docstring). Sets :attr:`since` when the server is judged unresponsive."""
+        docstring): :class:`ServerUnresponsive` when the server is judged silent."""
         created = _created(p)
         after = [q for q in self.probes if _created(q) >= created]
         if any(q.done and q.error is None for q in after):
@@ -112,8 +111,6 @@ class ProbeState:
                 f"or is still working on it; raise the timeout only if it is merely slow.")
         waiting = [q for q in after if not q.done]
         if waiting and now - _created(waiting[0]) >= MIN_SILENCE_S:
-            if self.since is None:
-                self.since = now
             silent = now - _created(waiting[0])
             return ServerUnresponsive(
                 f"no reply to {p.label} from the LMCache server at {self.url} within "
@@ -129,15 +126,13 @@ class ProbeState:
             f"{self.url}`), its message thread has died: restart it. Raise the timeout "
             f"only if the server is merely slow.")
 
-    def fast_fail(self, label: str, now: float) -> ServerUnresponsive:
-        """The error of a call made while the server is judged unresponsive."""
-        since = now if self.since is None else self.since
+    def fast_fail(self, label: str, now: float, since: float | None) -> ServerUnresponsive:
+        """The error of a call made while the server is judged unresponsive (since
+        ``since``, monotonic)."""
+        since = now if since is None else since
         return ServerUnresponsive(
             f"{label} was not sent: the LMCache server at {self.url} stopped answering "
             f"(judged {now - since:.1f} s ago: its message thread has died, or the process "
             f"is stopped): restart it. Calls fail at once until it "
             f"answers a NOOP probe again (one goes out at most every {REPROBE_S:g} s) or "
             f"the connection is re-established.")
-
-    def lift(self) -> None:
-        self.since = None

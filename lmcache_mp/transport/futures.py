@@ -14,8 +14,9 @@ import functools
 from collections.abc import Callable
 from typing import Concatenate, Generic, ParamSpec, TypeVar
 
-from .errors import ConnectionChanged, LMCacheMPError
-from .transport import PendingRequest, Transport
+from ..errors import ConnectionChanged, LMCacheMPError
+from .core import Transport
+from .pending import PendingRequest
 
 __all__ = ["ReplyFuture", "blocking"]
 

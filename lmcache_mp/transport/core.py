@@ -16,15 +16,18 @@ frames after the uid. Design, for latency and for never hanging:
   requests in flight fail at once when the server dies.
 * ``LINGER=0`` and a private context: ``close()`` returns at once and leaves no thread.
 * A request still unanswered near its deadline gets a NOOP probe sent after it, to tell
-  a rejected request from a server that answers nothing (:mod:`lmcache_mp.probing`).
+  a rejected request from a server that answers nothing (:mod:`.probe` decides); a
+  server judged silent shuts the gate (:mod:`.gate`, a state machine), and calls then
+  fail at once instead of each waiting its deadline.
 * ``MAXMSGSIZE``: a reply frame over :data:`MAX_REPLY_BYTES` is never buffered; ZMQ
   drops the connection instead, the calls in flight fail at once saying so, and the
   transport connects again (ZMQ itself would not after such a protocol error).
 
-The hot path (submit, send, wait, complete) is all here; the cold parts are beside it:
-:mod:`.transport_pending` (a request in flight, the errors that end it),
-:mod:`.transport_socket` (the socket, its release, its monitor's connection events),
-:mod:`.transport_gate` (the unresponsive gate and its probes).
+Everything that reads or writes the transport's state is a method here: the hot path
+(submit, send, wait, complete), the connection events from the socket's monitor, and
+the gate's probes. Beside it, owning no transport state: :mod:`.pending` (a request in
+flight, the errors that end it), :mod:`.dealer` (the socket's setup and release),
+:mod:`.probe` (the probes and their verdicts) and :mod:`.gate` (the gate's states).
 """
 
 from __future__ import annotations
@@ -41,13 +44,19 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from .errors import ClientClosed, LMCacheMPError, RequestTimeout, ServerUnavailable
-from .probing import PROBE_LEAD_S, ProbeState
-from .transport_gate import check_gate_locked, declare_unresponsive, probe_for
-from .transport_pending import PendingRequest, connection_changed, unreachable_reason
-from .transport_socket import MAX_REPLY_BYTES, on_monitor_event, open_dealer
+from ..errors import (
+    ClientClosed,
+    LMCacheMPError,
+    RequestTimeout,
+    ServerUnavailable,
+    ServerUnresponsive,
+)
+from .dealer import MAX_REPLY_BYTES, monitor_event, open_dealer
+from .gate import Gate, GateEvent, GateState
+from .pending import PendingRequest, connection_changed, connection_lost, unreachable_reason
+from .probe import PROBE_LEAD_S, PROBE_TIMEOUT_S, ProbeState
 
-__all__ = ["Transport", "PendingRequest", "MAX_REPLY_BYTES"]
+__all__ = ["Transport"]
 
 # A follower re-checks for a free leader slot at least this often, as a safety net
 # under the explicit leadership hand-off.
@@ -58,6 +67,11 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _OUTBOX_RETRY_MS = 2
+_CONNECTED = int(zmq.EVENT_CONNECTED)
+_DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+_CONNECT_RETRIED = int(zmq.EVENT_CONNECT_RETRIED)
+_CLOSED = GateState.CLOSED
+_UNRESPONSIVE = GateState.UNRESPONSIVE
 
 
 class Transport:
@@ -83,11 +97,11 @@ class Transport:
         self._followers: set[PendingRequest] = set()
         self._followers_lock = threading.Lock()
         self._uids = itertools.count()
-        self._closed = False
-        # True once closed or while the server is judged unresponsive: the one flag
-        # submit() tests, so the gate costs nothing while the server answers.
-        self._gated = False
-        self.liveness = ProbeState(url)
+        # Whether calls go out (open, probing) or fail at once (unresponsive, closed):
+        # submit() tests its one ``blocks`` attribute, so the gate costs nothing while
+        # the server answers.
+        self._gate = Gate()
+        self._probes = ProbeState(url)
         self.connected = False
         # Counts the connections made: a new one may lead to a new server process
         # (a restart), which knows nothing of what the old one was told.
@@ -109,8 +123,8 @@ class Transport:
         out = [uid, *frames]
         p = PendingRequest(uid, label, timeout, out, epoch)
         with self._lock:
-            if self._gated:
-                check_gate_locked(self, label)  # raises unless the server answers again
+            if self._gate.blocks:
+                self._check_gate_locked(label)  # raises unless the server answers again
             if epoch is not None:
                 if self._drain_monitor_locked() and self._leader.locked():
                     self._wake_leader()  # its requests may have been failed
@@ -124,11 +138,6 @@ class Transport:
                 if self._drain_inbound_locked():
                     self._wake_leader()
         return p
-
-    def declare_unresponsive(self, frames: list[bytes]) -> None:
-        """Gate the transport: the protocol detection got no answer at all (see
-        :func:`lmcache_mp.transport_gate.declare_unresponsive`)."""
-        declare_unresponsive(self, frames)
 
     def _enqueue_locked(self, p: PendingRequest) -> None:
         """Register ``p`` and send it now, or queue it behind requests still waiting for
@@ -191,16 +200,58 @@ class Transport:
         monitor = self._monitor
         n = 0
         while int(monitor.get(_EVENTS)) & _POLLIN:
-            on_monitor_event(self, monitor.recv_multipart(_NOBLOCK))
+            self._on_monitor_event_locked(monitor_event(monitor.recv_multipart(_NOBLOCK)))
             n += 1
         return n
+
+    def _on_monitor_event_locked(self, event: int) -> None:
+        """Apply one connection event: a new connection bumps :attr:`epoch`, a lost one
+        holds every send behind the barrier and fails the requests sent on it at once."""
+        if event == _CONNECTED:
+            self.connected = True
+            self._ever_connected = True
+            self.epoch += 1
+            outbox = self._outbox
+            if outbox and outbox[0] is self._barrier:
+                outbox.popleft()  # the lost connection's pipe is gone by now
+            # Possibly a restarted server: whatever the last one did not answer says
+            # nothing about this one.
+            self._gate.fire(GateEvent.CONNECTION)
+        elif event == _CONNECT_RETRIED:
+            self._refused += 1
+        elif event == _DISCONNECTED:
+            self.connected = False
+            # ZMQ detaches the lost connection's pipe a moment after this event: until
+            # then a send would vanish into it. Hold every send until a new connection.
+            outbox = self._outbox
+            if not (outbox and outbox[0] is self._barrier):
+                outbox.appendleft(self._barrier)
+            # The verdict was about that connection; calls now wait for a new one
+            # within their deadlines.
+            self._gate.fire(GateEvent.CONNECTION)
+            # Replies to requests sent on the lost connection can never arrive: the
+            # server's ROUTER sees a new peer after a reconnect.
+            pending = self._pending
+            lost = [p for p in pending.values() if p.sent]
+            for p in lost:
+                del pending[p.uid]
+                p.fail(connection_lost(p, self.url, MAX_REPLY_BYTES))
+            # After a protocol error (an oversized frame) ZMQ ends the connection for
+            # good instead of reconnecting; starting it afresh covers that and is the
+            # same as ZMQ's own reconnect otherwise.
+            try:
+                self._sock.disconnect(self.url)
+            except zmq.ZMQError:
+                pass
+            self._sock.connect(self.url)
 
     def refresh(self) -> int:
         """Take in connection events now (without blocking) and return :attr:`epoch`.
 
         Events are otherwise seen only while some thread waits on the socket."""
         with self._lock:
-            if not self._closed and self._drain_monitor_locked() and self._leader.locked():
+            if self._gate.state is not _CLOSED and self._drain_monitor_locked() \
+                    and self._leader.locked():
                 self._wake_leader()  # the waiting thread's requests may have been failed
             return self.epoch
 
@@ -228,8 +279,9 @@ class Transport:
         if not p.done:
             self._await(p, p.deadline - min(p.timeout * 0.5, PROBE_LEAD_S))  # probe_point
             if not p.done:  # no reply yet, near the deadline: is anything answering?
-                probe_for(self, p)
+                self._probe_for(p)
                 self._await(p, p.deadline)
+                self._settled()
         if p.error is not None:
             raise p.error
         assert p.frames is not None
@@ -247,7 +299,7 @@ class Transport:
         if not p.done and self._leader.acquire(blocking=False):
             try:
                 with self._lock:
-                    if not self._closed:
+                    if self._gate.state is not _CLOSED:
                         self._service_locked()
             finally:
                 self._leader.release()
@@ -309,9 +361,10 @@ class Transport:
         wake_r = self._res.wake_r
         monitor_fd = self._monitor_fd
         check_monitor = True  # once on entry, then only when its fd fires
+        gate = self._gate
         while True:
             with self._lock:
-                if self._closed:
+                if gate.state is _CLOSED:
                     return
                 if check_monitor:
                     self._drain_monitor_locked()
@@ -350,9 +403,10 @@ class Transport:
                 return
             self._pending.pop(p.uid, None)
             if p.sent:
-                err: LMCacheMPError = self.liveness.verdict(p, time.monotonic())
-                if self.liveness.since is not None:
-                    self._gated = True
+                now = time.monotonic()
+                err: LMCacheMPError = self._probes.verdict(p, now)
+                if isinstance(err, ServerUnresponsive):
+                    self._gate.fire(GateEvent.SILENT, now)
             else:
                 try:
                     self._outbox.remove(p)
@@ -378,14 +432,88 @@ class Transport:
                 pass
             p.fail(RequestTimeout(f"{p.label} was cancelled"))
 
+    # ---------------------------------------------------------------------- gate
+    # None of this runs while the server answers: submit() tests ``_gate.blocks``, and
+    # wait() probes only for a request still unanswered near its deadline.
+    def set_probe_frames(self, frames: list[bytes]) -> None:
+        """The probe request's frames (NOOP's type frame in the server's protocol); no
+        probe is sent before they are known."""
+        with self._lock:
+            self._probes.frames = frames
+
+    def declare_unresponsive(self, frames: list[bytes]) -> None:
+        """Shut the gate: the protocol detection got no answer at all. Probes are
+        ``frames`` (a request answered on the server's message thread in every release)
+        until the protocol is known; the first answer opens the gate again."""
+        with self._lock:
+            if self._gate.state is _CLOSED:
+                return
+            probes = self._probes
+            if probes.frames is None:
+                probes.frames = frames
+            self._send_probe_locked()
+            self._gate.fire(GateEvent.DECLARED)
+
+    def _check_gate_locked(self, label: str) -> None:
+        """Closed: ClientClosed. Judged unresponsive: ServerUnresponsive at once, unless
+        a probe was answered or the socket connected again meanwhile (the gate opens)."""
+        gate = self._gate
+        if gate.state is _CLOSED:
+            raise ClientClosed(f"the client for {self.url} is closed; create a new Client")
+        woke = self._drain_monitor_locked()  # a new connection opens the gate
+        woke += self._drain_inbound_locked()  # so may a probe's reply
+        if woke and self._leader.locked():
+            self._wake_leader()
+        probes = self._probes
+        if gate.state is _UNRESPONSIVE and probes.answered():
+            gate.fire(GateEvent.ANSWERED)
+        if not gate.blocks:
+            return
+        now = time.monotonic()
+        if probes.reprobe_due(now):
+            self._send_probe_locked()
+        raise probes.fast_fail(label, now, gate.since)
+
+    def _probe_for(self, p: PendingRequest) -> None:
+        """``p`` is still unanswered near its deadline: make sure a probe follows it."""
+        with self._lock:
+            if self._gate.state is not _CLOSED and self._probes.needs_probe(p):
+                self._send_probe_locked()
+
+    def _settled(self) -> None:
+        """A probed request ended (answered, failed or judged): its doubt is over."""
+        with self._lock:
+            self._gate.fire(GateEvent.SETTLED)
+
+    def _send_probe_locked(self) -> None:
+        """Send a NOOP probe (never waited on: its reply is looked at by verdicts and by
+        the gate). Like submit(), minus the gate and the epoch."""
+        probes = self._probes
+        frames = probes.frames
+        assert frames is not None
+        uid = msgspec.msgpack.encode(next(self._uids))
+        p = PendingRequest(uid, "a NOOP liveness probe", PROBE_TIMEOUT_S, [uid, *frames])
+        self._enqueue_locked(p)
+        self._gate.fire(GateEvent.PROBE_SENT)
+        dropped = probes.add(p)
+        if dropped is not None and not dropped.done:
+            self._pending.pop(dropped.uid, None)
+            if dropped.out is not None:
+                try:
+                    self._outbox.remove(dropped)
+                except ValueError:
+                    pass
+            dropped.fail(RequestTimeout("superseded by a newer probe"))
+        if self._leader.locked() and self._drain_inbound_locked():
+            self._wake_leader()
+
     # ------------------------------------------------------------------- closing
     def close(self) -> None:
         """Fail every pending request with ClientClosed and release the socket."""
         with self._lock:
-            if self._closed:
+            if self._gate.state is _CLOSED:
                 return
-            self._closed = True
-            self._gated = True
+            self._gate.fire(GateEvent.CLOSE)
             victims = list(self._pending.values())
             self._pending.clear()
             self._outbox.clear()
@@ -399,7 +527,12 @@ class Transport:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._gate.state is _CLOSED
+
+    @property
+    def gate_state(self) -> GateState:
+        """Where the gate stands (see :mod:`lmcache_mp.transport.gate`)."""
+        return self._gate.state
 
     @property
     def in_flight(self) -> int:

@@ -1,10 +1,10 @@
 """One request in flight on the transport, and the errors that end one unanswered.
 
-:class:`PendingRequest` is what :meth:`lmcache_mp.transport.Transport.submit` returns:
+:class:`PendingRequest` is what :meth:`lmcache_mp.transport.core.Transport.submit` returns:
 completed once, with the reply frames (after the uid) or an error, by whichever
 thread drives the socket; a follower thread sleeping on it is woken through its
 event. The functions below build the transport's own errors (those that do not come
-from :mod:`lmcache_mp.probing`'s verdicts): each says what happened and what to do.
+from :mod:`lmcache_mp.transport.probe`'s verdicts): each says what happened and what to do.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 
-from .errors import ConnectionChanged, LMCacheMPError, ServerUnavailable
+from ..errors import ConnectionChanged, LMCacheMPError, ServerUnavailable
 
 __all__ = ["PendingRequest", "connection_changed", "connection_lost", "unreachable_reason"]
 

@@ -3,9 +3,9 @@
 :func:`open_dealer` makes the private context, the DEALER (``LINGER=0``,
 ``IMMEDIATE``, fast reconnects, ``MAXMSGSIZE``), its socket monitor and the pipe that
 wakes the thread driving the socket; :class:`SocketResources` releases them exactly
-once. :func:`on_monitor_event` applies a connection event to the transport: a new
-connection bumps its epoch, a lost one holds every send behind a barrier and fails
-the requests sent on it at once.
+once. :func:`monitor_event` reads a monitor message's event id; what a connection
+event does to the transport is the transport's own business
+(``Transport._on_monitor_event_locked``).
 
 ``MAXMSGSIZE``: a reply frame over :data:`MAX_REPLY_BYTES` is never buffered; ZMQ
 drops the connection instead, the calls in flight fail at once saying so, and the
@@ -16,18 +16,12 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import TYPE_CHECKING
 
 import zmq
 
-from .errors import InvalidArgument, LMCacheMPError
-from .transport_gate import lift_locked
-from .transport_pending import connection_lost
+from ..errors import InvalidArgument, LMCacheMPError
 
-if TYPE_CHECKING:
-    from .transport import Transport
-
-__all__ = ["MAX_REPLY_BYTES", "SocketResources", "open_dealer", "on_monitor_event"]
+__all__ = ["MAX_REPLY_BYTES", "SocketResources", "open_dealer", "monitor_event"]
 
 #: The largest reply frame accepted (``zmq.MAXMSGSIZE``). The largest reply an LMCache
 #: server sends this client is a PREPARE_* context, about 100 bytes per chunk slot, so
@@ -109,42 +103,8 @@ def open_dealer(url: str) -> SocketResources:
     return SocketResources(ctx, sock, monitor, wake_r, wake_w)
 
 
-def on_monitor_event(t: Transport, msg: list[bytes]) -> None:
-    """Apply one monitor event to ``t``; called under ``t``'s lock."""
+def monitor_event(msg: list[bytes]) -> int:
+    """The event id (``zmq.EVENT_*``) of one message from the socket's monitor."""
     # zmq.utils.monitor.parse_monitor_message would import zmq.asyncio (and asyncio)
     # at import time: the first frame is a 16-bit event id and a 32-bit value.
-    event = _MONITOR_HEADER.unpack_from(msg[0])[0]
-    if event == zmq.EVENT_CONNECTED:
-        t.connected = True
-        t._ever_connected = True
-        t.epoch += 1
-        if t._outbox and t._outbox[0] is t._barrier:
-            t._outbox.popleft()  # the lost connection's pipe is gone by now
-        # Possibly a restarted server: whatever the last one did not answer says
-        # nothing about this one.
-        if t._gated:
-            lift_locked(t)
-    elif event == zmq.EVENT_CONNECT_RETRIED:
-        t._refused += 1
-    elif event == zmq.EVENT_DISCONNECTED:
-        t.connected = False
-        # ZMQ detaches the lost connection's pipe a moment after this event: until
-        # then a send would vanish into it. Hold every send until a new connection.
-        if not (t._outbox and t._outbox[0] is t._barrier):
-            t._outbox.appendleft(t._barrier)
-        if t._gated:  # the verdict was about that connection; calls now wait
-            lift_locked(t)  # for a new one within their deadlines
-        # Replies to requests sent on the lost connection can never arrive: the
-        # server's ROUTER sees a new peer after a reconnect.
-        lost = [p for p in t._pending.values() if p.sent]
-        for p in lost:
-            del t._pending[p.uid]
-            p.fail(connection_lost(p, t.url, MAX_REPLY_BYTES))
-        # After a protocol error (an oversized frame) ZMQ ends the connection for
-        # good instead of reconnecting; starting it afresh covers that and is the
-        # same as ZMQ's own reconnect otherwise.
-        try:
-            t._sock.disconnect(t.url)
-        except zmq.ZMQError:
-            pass
-        t._sock.connect(t.url)
+    return int(_MONITOR_HEADER.unpack_from(msg[0])[0])
