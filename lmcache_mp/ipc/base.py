@@ -2,17 +2,23 @@
 
 The memory layer never imports :mod:`lmcache_mp.protocol`: a cache describes each
 layer tensor with a plain *export record* (:class:`ShmLayerExport`,
-:class:`CudaLayerExport`), and the server's protocol profile turns those records into
-its wire format (pickled wrappers or descriptors). :class:`~lmcache_mp.ipc.cpu_cache.
-CpuKVCache` (POSIX SHM) and the CUDA cache (:mod:`lmcache_mp.ipc.cuda`, imported only
-when used) both implement :class:`ExportableKVCache`.
+:class:`CudaLayerExport`, :class:`VmmLayerExport`, defined in
+:mod:`lmcache_mp.layer_exports` and re-exported here), and the server's protocol
+profile turns those records into its wire format (pickled wrappers or descriptors).
+:class:`~lmcache_mp.ipc.cpu_cache.CpuKVCache` (POSIX SHM) and the CUDA cache
+(:mod:`lmcache_mp.ipc.cuda`, imported only when used) both implement
+:class:`ExportableKVCache`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
+
+# The records live below both layers, so that the protocol can read them without
+# importing the memory layer; they are part of this module's interface all the same.
+from ..layer_exports import CudaLayerExport, KVLayout, LayerExport, ShmLayerExport, VmmLayerExport
 
 __all__ = [
     "STORAGE_DTYPES",
@@ -20,6 +26,7 @@ __all__ = [
     "KVLayout",
     "ShmLayerExport",
     "CudaLayerExport",
+    "VmmLayerExport",
     "LayerExport",
     "ExportableKVCache",
 ]
@@ -40,12 +47,6 @@ STORAGE_DTYPES: dict[str, tuple[str, int]] = {
     "int16": ("int16", 2),
     "int32": ("int32", 4),
 }
-
-#: The order of the head and token axes of a paged layer: HND ``[2, blocks, heads,
-#: block_size, head_dim]`` or NHD ``[2, blocks, block_size, heads, head_dim]`` (fused:
-#: the same without the leading 2).
-KVLayout = Literal["HND", "NHD"]
-
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -130,63 +131,6 @@ class KVGeometry:
     def kv_planes(self) -> int:
         """Planes of the server's objects: 2 (K, V), or 1 (MLA's latent, fused rows)."""
         return 1 if self.mla or self.fused else 2
-
-
-@dataclass(frozen=True)
-class ShmLayerExport:
-    """One layer tensor in a POSIX shared-memory segment (offset 0, contiguous)."""
-
-    shm_name: str  # with the leading slash, as shm_open takes it
-    nbytes: int
-    dtype: str  # torch dtype name
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]  # in elements
-
-
-@dataclass(frozen=True)
-class CudaLayerExport:
-    """One layer tensor in GPU memory, exported with ``cudaIpcGetMemHandle``.
-
-    ``ipc_handle`` names the whole allocation (it maps at its base); the tensor starts
-    ``alloc_offset`` bytes into it. ``form`` is the wrapper the caller asked for
-    (``"raw"``: LMCache's RawCudaIPCWrapper / ``cuda_raw`` descriptor; ``"torch_ipc"``:
-    LMCache's CudaIPCWrapper / ``cuda`` descriptor, torch's storage-sharing tuple;
-    ``"auto"``: the profile's default); the profile refuses a form its servers cannot
-    open.
-    """
-
-    ipc_handle: bytes
-    nbytes: int
-    alloc_offset: int
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    device_index: int
-    device_uuid: str  # torch form: lower-case 8-4-4-4-12 hex
-    form: Literal["auto", "raw", "torch_ipc"] = "auto"
-
-
-@dataclass(frozen=True)
-class VmmLayerExport:
-    """One layer tensor in CUDA VMM memory (``cuMemCreate``), exported with
-    ``cuMemExportToShareableHandle`` (see :mod:`lmcache_mp.ipc.cuda.vmm`): the fields of
-    LMCache's ``cuda_vmm`` descriptor. The fd of a ``posix_fd`` export is process-local
-    and never part of the record; the cache that exported it holds and closes it."""
-
-    export_id: bytes  # 16 bytes
-    kind: Literal["posix_fd", "fabric"]
-    fabric_blob: bytes | None
-    alloc_size: int  # the physical chunk
-    alloc_offset: int  # where the layer starts in it
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    device_index: int
-    device_uuid: str
-
-
-LayerExport = ShmLayerExport | CudaLayerExport | VmmLayerExport
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..ipc.base import KVLayout, LayerExport
+from ..layer_exports import KVLayout, LayerExport
 from .wrappers import WrapperFormats
 
 __all__ = ["Payload", "Operation", "Profile", "KeyBuilder", "kv_readers", "NO_DEFAULT"]

@@ -30,7 +30,7 @@ server with cuda-bindings >= 13.4 (its ``to_tensor`` assigns
 ``cudaIpcMemHandle_t.reserved``, which 13.4 removed) and never unmaps, so there it is
 ``torch_ipc``; 0.5.5+ open ``raw`` with 13.4 and unmap it, so there it stays ``raw``.
 
-The memory layer hands plain records (:mod:`lmcache_mp.ipc.base`); only this module
+The memory layer hands plain records (:mod:`lmcache_mp.layer_exports`); only this module
 knows the wire forms, and :class:`WrapperFormats` refuses a form a family cannot open.
 """
 
@@ -43,7 +43,7 @@ from typing import Literal
 import msgspec
 
 from ..errors import InvalidArgument, ProtocolMismatch
-from ..ipc.base import CudaLayerExport, LayerExport, ShmLayerExport, VmmLayerExport
+from ..layer_exports import CudaLayerExport, LayerExport, ShmLayerExport, VmmLayerExport
 from .types import WrapperBlob
 
 __all__ = [
