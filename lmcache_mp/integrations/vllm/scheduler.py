@@ -193,11 +193,8 @@ class SchedulerSide:
             self.check_health()
 
     def ready(self, url: str) -> bool:
-        """The server answers its health probe and its protocol is known on the current
-        connection: a call now never waits for a protocol probe (after a reconnect, up
-        to 2 s) on the scheduler's thread; the health thread's next probe runs it."""
-        return bool(self.healthy.get(url)) and getattr(self.clients[url],
-                                                       "protocol_identified", True)
+        """The server answers its health probe."""
+        return bool(self.healthy.get(url))
 
     def all_healthy(self) -> bool:
         return self.chunk_size is not None and all(self.ready(url) for url in self.clients)
@@ -378,8 +375,6 @@ class SchedulerSide:
         if not self.healthy.get(url) or time.monotonic() > lk.settle_until:
             lk.settle_until = 0.0  # a server gone or restarted holds no locks of it
             return
-        if not self.ready(url):
-            return  # asked again once the health thread has identified it
         client = self.clients[url]
         try:
             if lk.query is None:

@@ -90,8 +90,8 @@ class WorkerSide:
         self.model_name = model_name
         self.reg: Any = None
         self._register: Callable[[], Any] | None = None
-        self._next_register = 0.0
         self._registering: threading.Thread | None = None
+        self._stop_registering = threading.Event()
         self.block_size = 0
         #: The CUDA stream of transfers: None is torch's current stream at each call.
         self.stream: Any = None
@@ -117,22 +117,25 @@ class WorkerSide:
 
     # ----------------------------------------------------------- registering
     def set_registration(self, register: Callable[[], Any], block_size: int) -> None:
-        """Register now (vLLM's start-up) if the server answers; otherwise retry in the
-        background every ``health_interval``, and fail loads meanwhile."""
+        """Register now (vLLM's start-up) if the server answers; otherwise retry on a
+        thread of its own every ``health_interval`` (never on vLLM's forward thread: a
+        registration may wait its whole deadline), and miss meanwhile."""
         self._register = register
         self.block_size = block_size
-        self._try_register()
+        if not self._try_register():
+            self._registering = threading.Thread(target=self._retry_registration,
+                                                 daemon=True, name="lmcache-mp-vllm-register")
+            self._registering.start()
 
-    def _try_register(self) -> None:
-        """One registration attempt (its errors logged, the next one scheduled)."""
+    def _try_register(self) -> bool:
+        """One registration attempt (its errors logged)."""
         assert self._register is not None
         try:
             reg = self._register()
         except LMCacheMPError as err:
             log.warning("lmcache_mp connector: cannot register the KV cache with %s yet "
                         "(%s); retrying", self.place.url, err)
-            self._next_register = time.monotonic() + self.cfg.health_interval
-            return
+            return False
         if reg.mode == "engine" and _is_cpu(reg):
             self._load_thread = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="lmcache-mp-vllm-loads")
@@ -141,22 +144,16 @@ class WorkerSide:
         log.info("lmcache_mp connector: rank %d registered with %s (%s mode, instance %d)",
                  self.place.kv_worker_id, self.place.url, reg.mode, reg.instance_id)
         self.reg = reg  # last: the forward thread uses it as soon as it is set
+        return True
+
+    def _retry_registration(self) -> None:
+        while not self._stop_registering.wait(self.cfg.health_interval):
+            # Nothing is attempted while the heartbeat says the server is down.
+            if self.client.healthy and self._try_register():
+                return
 
     def _ensure_registered(self) -> bool:
-        """Whether the cache is registered. A retry runs on a thread of its own, never
-        on vLLM's forward thread (a registration may wait its whole deadline for a
-        server that went away): requests miss meanwhile."""
-        if self.reg is not None:
-            return True
-        if self._register is None or time.monotonic() < self._next_register:
-            return False
-        if self._registering is not None and self._registering.is_alive():
-            return False
-        self._next_register = float("inf")  # until this attempt says when to retry
-        self._registering = threading.Thread(target=self._try_register, daemon=True,
-                                             name="lmcache-mp-vllm-register")
-        self._registering.start()
-        return False
+        return self.reg is not None
 
     def _usable(self) -> bool:
         # The heartbeat's verdict first: nothing is attempted on a server it says is down.
@@ -331,6 +328,7 @@ class WorkerSide:
     # ----------------------------------------------------------------- closing
     def shutdown(self) -> None:
         deadline = time.monotonic() + self.cfg.transfer_timeout
+        self._stop_registering.set()
         registering = self._registering
         if registering is not None:  # bounded by the registration's own deadline
             registering.join(timeout=max(0.0, deadline - time.monotonic()))
