@@ -192,12 +192,8 @@ class SchedulerSide:
         while not self._stop.wait(self.cfg.health_interval):
             self.check_health()
 
-    def ready(self, url: str) -> bool:
-        """The server answers its health probe."""
-        return bool(self.healthy.get(url))
-
     def all_healthy(self) -> bool:
-        return self.chunk_size is not None and all(self.ready(url) for url in self.clients)
+        return self.chunk_size is not None and all(self.healthy.values())
 
     def shutdown(self) -> None:
         """Stop the health probes; end the sessions still waiting for their frees
@@ -393,7 +389,7 @@ class SchedulerSide:
         self._free(url, t, 0, int(chunks) * (self.chunk_size or 1))
 
     def _free(self, url: str, t: Tracker, start: int, end: int) -> None:
-        if end <= start or not self.ready(url):
+        if end <= start or not self.healthy.get(url):
             return
         key = self._key(t, start, end)
         client = self.clients[url]
@@ -577,7 +573,7 @@ class SchedulerSide:
                 left.append(t)
                 continue
             for url, client in self.clients.items():
-                if self.ready(url):
+                if self.healthy.get(url):
                     self._send(functools.partial(client.end_session_async, t.session_id,
                                                  timeout=self.cfg.lookup_timeout))
             if t.sent_key is not None:

@@ -26,15 +26,14 @@ returning.
 Engine-driven CPU caches: the transfers run on two background threads of the worker
 (``lmcache-mp-vllm-loads``, ``lmcache-mp-vllm-stores``), not on vLLM's forward thread:
 a load never queues behind stores (a warm request's first token waits for its load,
-nobody waits for a store). Each waits for a server
-round trip (PREPARE_*) and copies between vLLM's blocks and the server's pool; on the
-forward thread that delayed every step that stored (the first token of a cold prompt
-among them). The blocks stay put meanwhile: a RETRIEVE's request is not scheduled
-before it is reported done, a STORE reads the KV of computed tokens, which vLLM does
-not rewrite while the request runs, keeps for a finished request until its stores
-are reported done, and reuses a preempted request's blocks only once
-:meth:`flush_stores` waited for that request's stores. CUDA caches keep the calling
-thread (their order is the current stream's).
+nobody waits for a store). Each waits for a server round trip (PREPARE_*) and copies
+between vLLM's blocks and the server's pool; on the forward thread that delayed every
+step that stored (the first token of a cold prompt among them). The blocks stay put
+meanwhile: a RETRIEVE's request is not scheduled before it is reported done, a STORE
+reads the KV of computed tokens, which vLLM does not rewrite while the request runs,
+keeps for a finished request until its stores are reported done, and reuses a
+preempted request's blocks only once :meth:`flush_stores` waited for that request's
+stores. CUDA caches keep the calling thread (their order is the current stream's).
 """
 
 from __future__ import annotations
@@ -152,12 +151,8 @@ class WorkerSide:
             if self.client.healthy and self._try_register():
                 return
 
-    def _ensure_registered(self) -> bool:
-        return self.reg is not None
-
     def _usable(self) -> bool:
-        # The heartbeat's verdict first: nothing is attempted on a server it says is down.
-        return bool(self.client.healthy) and self._ensure_registered()
+        return self.reg is not None and bool(self.client.healthy)
 
     def _unusable_reason(self) -> str:
         if self.reg is None:
