@@ -20,8 +20,8 @@ from .errors import (
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
 from .protocol.types import BlockAllocationRecord, EngineGroupInfo
-from .registration import Registration
-from .request import Request
+from .session.registration import Registration
+from .session.request import Request
 from .transport import ReplyFuture
 
 __version__ = "0.2.0"

@@ -13,20 +13,20 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 
-from .blocks import TransferLayout
 from .checks import is_int, one_of, optional_positive_seconds, positive_seconds
-from .connection import DEFAULT_TIMEOUT, Connection
-from .control import ControlPlane
 from .errors import InvalidArgument
 from .ipc.base import ExportableKVCache
 from .ipc.cpu_cache import CpuKVCache
 from .keys import CacheKey
-from .liveness import Registry
-from .lowlevel import InstanceIdAPI
 from .protocol import Profile
 from .protocol.detect import Detection
 from .protocol.types import EngineGroupInfo
-from .registration import Mode, Registration
+from .session.blocks import TransferLayout
+from .session.connection import DEFAULT_TIMEOUT, Connection
+from .session.control import ControlPlane
+from .session.instance_ids import InstanceIdAPI
+from .session.registration import Mode, Registration
+from .session.registry import Registry
 
 __all__ = ["Client", "DEFAULT_TIMEOUT"]
 

@@ -704,7 +704,7 @@ def test_an_unused_request_closes_without_a_word(fake: FakeServer, kv: CpuKVCach
 
 
 def test_held_runs_frees_each_lock_once() -> None:
-    from lmcache_mp.request import _held_runs
+    from lmcache_mp.session.request import _held_runs
 
     assert _held_runs([2, 2, 1, 0, 1]) == [(0, 3), (4, 5), (0, 2)]
     assert _held_runs([0, 1, 1, 0, 0, 3]) == [(1, 3), (5, 6), (5, 6), (5, 6)]

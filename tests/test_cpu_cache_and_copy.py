@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from lmcache_mp import CacheKey, CpuKVCache, InvalidArgument
-from lmcache_mp.blocks import TransferLayout, normalize_block_ids
 from lmcache_mp.ipc.cpu_cache import KVGeometry
 from lmcache_mp.ipc.paged_copy import block_runs, gather_chunk, scatter_chunk
 from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR, PageMapper
 from lmcache_mp.protocol.types import EngineGroupInfo
+from lmcache_mp.session.blocks import TransferLayout, normalize_block_ids
 
 
 def ours() -> set[str]:

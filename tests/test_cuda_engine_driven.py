@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from lmcache_mp import CacheKey, Client, InvalidArgument, LMCacheMPError
-from lmcache_mp.engine_driven import Pool, PoolMaps, copy_from_slots, copy_into_slots
 from lmcache_mp.ipc.base import STORAGE_DTYPES, KVGeometry
 from lmcache_mp.ipc.cuda import CudaKVCache, staging
 from lmcache_mp.ipc.paged_copy import gather_chunk, scatter_chunk
 from lmcache_mp.ipc.shm import ShmSegment
 from lmcache_mp.protocol.types import PoolSlot
+from lmcache_mp.session.engine_driven import Pool, PoolMaps, copy_from_slots, copy_into_slots
 
 from .conftest import LiveServer
 from .fake_cuda import FakeDriver

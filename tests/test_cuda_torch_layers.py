@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from lmcache_mp import CpuKVCache, InvalidArgument
-from lmcache_mp.engine_driven import copy_from_slots, copy_into_slots
 from lmcache_mp.ipc.base import CudaLayerExport
 from lmcache_mp.ipc.cuda import CudaKVCache, staging
+from lmcache_mp.session.engine_driven import copy_from_slots, copy_into_slots
 
 from .fake_cuda import FakeDriver, FakeTensor
 from .test_cuda_engine_driven import CHUNK, pool_and_slots

@@ -268,8 +268,8 @@ def test_vllm_style_permuted_views_copy_like_the_cpu_path() -> None:
     import numpy as np
 
     from lmcache_mp import CpuKVCache
-    from lmcache_mp.engine_driven import copy_into_slots
     from lmcache_mp.ipc.cuda import CudaKVCache, staging
+    from lmcache_mp.session.engine_driven import copy_into_slots
 
     from .test_cuda_engine_driven import CHUNK, pool_and_slots
 

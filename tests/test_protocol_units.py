@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from lmcache_mp import CacheKey, InvalidArgument, ProtocolMismatch
-from lmcache_mp.blocks import TransferLayout, normalize_block_ids
 from lmcache_mp.protocol import decode_reply, get_profile
 from lmcache_mp.protocol.operations import kv_readers
 from lmcache_mp.protocol.types import EngineGroupInfo, WrapperBlob
 from lmcache_mp.protocol.wrappers import cuda_raw_descriptor
+from lmcache_mp.session.blocks import TransferLayout, normalize_block_ids
 
 _enc = msgspec.msgpack.encode
 

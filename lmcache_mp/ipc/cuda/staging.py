@@ -6,7 +6,7 @@ That is what works where CUDA IPC does not: memory from CUDA's virtual memory
 management (PyTorch ``expandable_segments``, vLLM's cumem allocator), Jetson-class
 (Tegra) devices, and containers that share only ``/dev/shm`` with the server.
 
-How one transfer runs (called from :mod:`lmcache_mp.engine_driven` between PREPARE_*
+How one transfer runs (called from :mod:`lmcache_mp.session.engine_driven` between PREPARE_*
 and COMMIT_*, after every slot was checked):
 
 * the pool mapping is page-locked once (``cudaHostRegister``, portable), so copies to

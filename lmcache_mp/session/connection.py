@@ -14,20 +14,20 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
-from .checks import positive_seconds, server_url
-from .errors import (
+from ..checks import positive_seconds, server_url
+from ..errors import (
     InvalidArgument,
     ProtocolMismatch,
     RequestTimeout,
     ServerUnavailable,
     ServerUnresponsive,
 )
-from .keys import CacheKey
-from .protocol import Profile, decode_reply, encode_request, get_profile
-from .protocol.detect import Detection, detect
-from .protocol.detect import _unregister_unknown as unregister_unknown
-from .protocol.operations import Operation
-from .transport import PendingRequest, ReplyFuture, Transport
+from ..keys import CacheKey
+from ..protocol import Profile, decode_reply, encode_request, get_profile
+from ..protocol.detect import Detection, detect
+from ..protocol.detect import _unregister_unknown as unregister_unknown
+from ..protocol.operations import Operation
+from ..transport import PendingRequest, ReplyFuture, Transport
 
 __all__ = ["Connection", "DEFAULT_TIMEOUT"]
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
-from .checks import is_int
-from .errors import InvalidArgument
-from .keys import CacheKey
-from .protocol.types import EngineGroupInfo
+from ..checks import is_int
+from ..errors import InvalidArgument
+from ..keys import CacheKey
+from ..protocol.types import EngineGroupInfo
 
 __all__ = ["TransferLayout", "BlockIds", "normalize_block_ids"]
 

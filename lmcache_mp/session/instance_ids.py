@@ -7,16 +7,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..errors import InvalidArgument
+from ..ipc.base import ExportableKVCache
+from ..ipc.cpu_cache import CpuKVCache
+from ..keys import CacheKey
+from ..protocol.types import EngineGroupInfo, RegisterEngineDrivenContextResponse
+from ..transport import ReplyFuture, blocking
 from .blocks import BlockIds
 from .connection import Connection
-from .errors import InvalidArgument
-from .ipc.base import ExportableKVCache
-from .ipc.cpu_cache import CpuKVCache
-from .keys import CacheKey
-from .liveness import Registry
-from .protocol.types import EngineGroupInfo, RegisterEngineDrivenContextResponse
 from .registration import Mode, Registration
-from .transport import ReplyFuture, blocking
+from .registry import Registry
 
 __all__ = ["InstanceIdAPI"]
 

@@ -18,17 +18,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import ProtocolMismatch
-from .ipc.base import STORAGE_DTYPES, ExportableKVCache, KVGeometry
-from .ipc.cpu_cache import CpuKVCache
-from .ipc.shm import PageMapper, map_existing
-from .protocol.types import PoolSlot
+from ..errors import ProtocolMismatch
+from ..ipc.base import STORAGE_DTYPES, ExportableKVCache, KVGeometry
+from ..ipc.cpu_cache import CpuKVCache
+from ..ipc.shm import PageMapper, map_existing
+from ..protocol.types import PoolSlot
 
 if TYPE_CHECKING:  # numpy and the copy modules are imported on the first copy
     import numpy as np
 
-    from .ipc.copy_workers import CopyWorkers
-    from .ipc.paged_copy import Task
+    from ..ipc.copy_workers import CopyWorkers
+    from ..ipc.paged_copy import Task
 
 __all__ = ["Pool", "PoolMaps", "NO_POOL_HELP", "copy_into_slots", "copy_from_slots"]
 
@@ -77,7 +77,7 @@ class PoolMaps:
         """The client's copy threads (started on the first engine-driven copy)."""
         with self._lock:
             if self._workers is None:
-                from .ipc.copy_workers import CopyWorkers
+                from ..ipc.copy_workers import CopyWorkers
 
                 self._workers = CopyWorkers()
             return self._workers
@@ -183,12 +183,12 @@ def copy_into_slots(
     # writes nothing.
     targets = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
-        from .ipc.cuda.staging import device_copy_into_slots
+        from ..ipc.cuda.staging import device_copy_into_slots
 
         device_copy_into_slots(cache, ids, targets, chunk_indices, pool.view, chunk_size,
                                stream)
         return
-    from .ipc.paged_copy import gather_tasks
+    from ..ipc.paged_copy import gather_tasks
 
     pool.prepare(slots)
     tasks: list[Task] = []
@@ -218,11 +218,11 @@ def copy_from_slots(
     sources = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     skip_blocks = skip_first_n_tokens // g.block_size
     if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
-        from .ipc.cuda.staging import device_copy_from_slots
+        from ..ipc.cuda.staging import device_copy_from_slots
 
         device_copy_from_slots(cache, ids, sources, pool.view, chunk_size, skip_blocks, stream)
         return
-    from .ipc.paged_copy import scatter_tasks
+    from ..ipc.paged_copy import scatter_tasks
 
     pool.prepare(slots)
     tasks: list[Task] = []
@@ -233,7 +233,7 @@ def copy_from_slots(
 
 
 def _run(tasks: list[Task], workers: CopyWorkers | None) -> None:
-    from .ipc.paged_copy import run_task
+    from ..ipc.paged_copy import run_task
 
     if workers is None:
         for t in tasks:

@@ -22,10 +22,10 @@ import threading
 import warnings
 from collections.abc import Callable
 
+from ..errors import ClientClosed, InvalidArgument, LMCacheMPError
+from ..ipc.base import KVGeometry
 from .connection import Connection
 from .engine_driven import PoolMaps
-from .errors import ClientClosed, InvalidArgument, LMCacheMPError
-from .ipc.base import KVGeometry
 from .registration import Registration
 
 __all__ = ["Registry", "MIN_REAP_TIMEOUT"]

@@ -15,11 +15,11 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..checks import positive_int
+from ..errors import InvalidArgument, LMCacheMPError
+from ..keys import CacheKey
+from ..transport import ReplyFuture, blocking
 from .blocks import BlockIds
-from .checks import positive_int
-from .errors import InvalidArgument, LMCacheMPError
-from .keys import CacheKey
-from .transport import ReplyFuture, blocking
 
 if TYPE_CHECKING:
     from .registration import Registration

@@ -1,5 +1,5 @@
 """The two ways a registration moves blocks, each bound to the connection its
-registration was checked on (see :mod:`lmcache_mp.registration`).
+registration was checked on (see :mod:`lmcache_mp.session.registration`).
 
 * LMCache-driven (``mode="lmcache"``): one STORE / RETRIEVE; the server copies between
   the mapped cache and its L1. Sent bound to a connection: if the socket reconnected
@@ -19,19 +19,19 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from .engine_driven import copy_from_slots, copy_into_slots
-from .errors import (
+from ..errors import (
     ConnectionChanged,
     LMCacheMPError,
     ProtocolMismatch,
     RequestTimeout,
     ServerUnavailable,
 )
-from .keys import CacheKey
-from .protocol import decode_reply
-from .protocol.operations import Operation
-from .protocol.types import PrepareRetrieveResponse, PrepareStoreResponse
-from .transport import PendingRequest, ReplyFuture
+from ..keys import CacheKey
+from ..protocol import decode_reply
+from ..protocol.operations import Operation
+from ..protocol.types import PrepareRetrieveResponse, PrepareStoreResponse
+from ..transport import PendingRequest, ReplyFuture
+from .engine_driven import copy_from_slots, copy_into_slots
 
 if TYPE_CHECKING:
     from .registration import Binding, Registration

@@ -26,23 +26,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from . import transfers
-from .blocks import BlockIds, TransferLayout, normalize_block_ids
-from .checks import is_int
-from .connection import Connection
-from .engine_driven import NO_POOL_HELP, Pool, PoolMaps
-from .errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
-from .ipc.base import ExportableKVCache
-from .ipc.cpu_cache import CpuKVCache
-from .keys import CacheKey
-from .protocol import decode_reply
-from .protocol.types import (
+from ..checks import is_int
+from ..errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
+from ..ipc.base import ExportableKVCache
+from ..ipc.cpu_cache import CpuKVCache
+from ..keys import CacheKey
+from ..protocol import decode_reply
+from ..protocol.types import (
     EngineGroupInfo,
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
 )
+from ..transport import ReplyFuture, blocking
+from . import transfers
+from .blocks import BlockIds, TransferLayout, normalize_block_ids
+from .connection import Connection
+from .engine_driven import NO_POOL_HELP, Pool, PoolMaps
 from .transfers import remaining, unsent, within
-from .transport import ReplyFuture, blocking
 
 if TYPE_CHECKING:
     from .request import Request
@@ -72,7 +72,7 @@ class Binding:
 
 
 class RegistrationOwner(Protocol):
-    """What a registration needs from its client (see :mod:`lmcache_mp.liveness`)."""
+    """What a registration needs from its client (see :mod:`lmcache_mp.session.registry`)."""
 
     conn: Connection
     pools: PoolMaps

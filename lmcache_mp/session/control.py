@@ -9,12 +9,12 @@ from typing import Any
 
 import msgspec
 
-from .checks import non_negative_int, non_negative_seconds, positive_seconds
+from ..checks import non_negative_int, non_negative_seconds, positive_seconds
+from ..errors import InvalidArgument
+from ..keys import CacheKey
+from ..protocol.types import BlockAllocationRecord
+from ..transport import ReplyFuture, blocking
 from .connection import Connection
-from .errors import InvalidArgument
-from .keys import CacheKey
-from .protocol.types import BlockAllocationRecord
-from .transport import ReplyFuture, blocking
 
 __all__ = ["ControlPlane"]
 
