@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from lmcache_mp import bench  # noqa: E402
+from lmcache_mp.cli import bench  # noqa: E402
 
 
 class LMCache(bench.Contender):

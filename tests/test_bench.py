@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_mp import bench, bench_report
+from lmcache_mp.cli import bench, bench_report
 from lmcache_mp.cli import main as cli_main
 
 SAMPLES = {

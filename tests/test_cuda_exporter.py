@@ -476,7 +476,7 @@ def test_importing_the_package_loads_neither_torch_nor_cuda() -> None:
             "assert 'torch' not in sys.modules, 'torch'; "
             "bad = [m for m in sys.modules if m == 'cuda' or m.startswith('cuda.')]; "
             "assert not bad, bad; "
-            "import lmcache_mp.ipc.cuda, lmcache_mp.doctor; "
+            "import lmcache_mp.ipc.cuda, lmcache_mp.cli.doctor; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('cuda')]; "
             "assert not bad, ('importing the CUDA module must stay lazy', bad)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -486,7 +486,7 @@ def test_importing_the_package_loads_neither_torch_nor_cuda() -> None:
 
 # ------------------------------------------------------------------- doctor
 def test_doctor_on_this_machine_does_not_raise() -> None:
-    from lmcache_mp.doctor import format_report, run_doctor
+    from lmcache_mp.cli.doctor import format_report, run_doctor
 
     rows = run_doctor(None, 1.0)
     names = [name for name, _, _ in rows]
@@ -508,7 +508,7 @@ def test_doctor_on_this_machine_does_not_raise() -> None:
 
 
 def test_doctor_without_a_driver_or_device() -> None:
-    from lmcache_mp.doctor import run_doctor
+    from lmcache_mp.cli.doctor import run_doctor
 
     class NoDriver(FakeDriver):
         def driver_version(self) -> int:
@@ -526,7 +526,7 @@ def test_doctor_without_a_driver_or_device() -> None:
 
 
 def test_doctor_with_a_fake_gpu_probes_ipc() -> None:
-    from lmcache_mp.doctor import run_doctor
+    from lmcache_mp.cli.doctor import run_doctor
 
     drv = FakeDriver()
     rows = {n: (r, ok) for n, r, ok in run_doctor(None, 1.0, driver=drv)}
@@ -540,7 +540,7 @@ def test_doctor_with_a_fake_gpu_probes_ipc() -> None:
 
 
 def test_doctor_server_check_and_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
-    from lmcache_mp.doctor import main_doctor
+    from lmcache_mp.cli.doctor import main_doctor
 
     assert main_doctor(None, 0.5) == 0
     out = capsys.readouterr().out
@@ -559,7 +559,7 @@ def test_doctor_server_check_and_exit_code(capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.parametrize("release, default", [("0.5.3", "torch_ipc"), ("0.5.4", "torch_ipc"),
                                               ("0.5.5", "raw"), ("0.5.6", "raw")])
 def test_doctor_names_the_forms_a_server_opens(release: str, default: str) -> None:
-    from lmcache_mp.doctor import _wrapper_forms
+    from lmcache_mp.cli.doctor import _wrapper_forms
 
     text = _wrapper_forms(get_profile(release).wrappers)
     assert text.startswith(f"the server opens {default} (wrapper='auto' picks this; ")
@@ -571,7 +571,7 @@ def test_doctor_names_the_forms_a_server_opens(release: str, default: str) -> No
 
 @pytest.mark.live
 def test_doctor_reports_the_live_servers_forms(live_server: Any, expected_family: str) -> None:
-    from lmcache_mp.doctor import run_doctor
+    from lmcache_mp.cli.doctor import run_doctor
 
     rows = {n: (r, ok) for n, r, ok in run_doctor(live_server.url, 10.0, driver=FakeDriver())}
     assert rows["server"][1], rows["server"]

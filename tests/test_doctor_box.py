@@ -1,4 +1,4 @@
-"""``lmcache-mp doctor`` on co-located boxes (lmcache_mp.doctor_box): every fact through
+"""``lmcache-mp doctor`` on co-located boxes (lmcache_mp.cli.host_facts): every fact through
 the fake CUDA driver (a GB10-like integrated GPU, a discrete one, a Tegra-like one
 without CUDA IPC), the recommendation made from them, and the CPU-visible parts (the
 SHM round trip, /dev/shm, namespaces) against a real server."""
@@ -10,8 +10,8 @@ import os
 import pytest
 
 from lmcache_mp.cli import main as cli_main
-from lmcache_mp.doctor import run_doctor
-from lmcache_mp.doctor_box import GIB, HEADROOM, Box, recommend, server_pid
+from lmcache_mp.cli.doctor import run_doctor
+from lmcache_mp.cli.host_facts import GIB, HEADROOM, Box, recommend, server_pid
 
 from .conftest import LiveServer
 from .fake_cuda import FakeDriver

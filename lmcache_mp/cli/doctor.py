@@ -7,7 +7,7 @@ free memory, ``/dev/shm`` (CPU caches and the server's L1 pool live there) and, 
 URL, whether a server answers, with which protocol, which CUDA wrapper forms it opens,
 whether it shares ``/dev/shm`` and the IPC namespace with this process (a tiny SHM
 registration round trip), which transfer modes will therefore work, and the mode and
-L1 size to use (:mod:`lmcache_mp.doctor_box`). Without CUDA it says so and reports the
+L1 size to use (:mod:`lmcache_mp.cli.host_facts`). Without CUDA it says so and reports the
 rest; it never raises.
 """
 
@@ -17,12 +17,12 @@ import platform
 import sys
 from typing import TYPE_CHECKING
 
-from .doctor_box import Box, gpu_facts, host_facts, recommend, server_sharing
-from .errors import LMCacheMPError
+from ..errors import LMCacheMPError
+from .host_facts import Box, gpu_facts, host_facts, recommend, server_sharing
 
 if TYPE_CHECKING:
-    from .ipc.cuda import CudaDriver
-    from .protocol.wrappers import WrapperFormats
+    from ..ipc.cuda import CudaDriver
+    from ..protocol.wrappers import WrapperFormats
 
 __all__ = ["Check", "run_doctor", "format_report", "main_doctor"]
 
@@ -42,7 +42,7 @@ def _gib(n: float) -> str:
 
 
 def _cuda_checks(driver: CudaDriver | None, box: Box) -> list[Check]:
-    from .ipc.cuda import CudaUnavailable, get_driver
+    from ..ipc.cuda import CudaUnavailable, get_driver
 
     rows: list[Check] = []
     try:
@@ -97,7 +97,7 @@ def _cuda_checks(driver: CudaDriver | None, box: Box) -> list[Check]:
 
 def _ipc_probe(drv: CudaDriver, device: int) -> list[Check]:
     """Make, export and release a small allocation and an interprocess event."""
-    from .ipc.cuda import export_allocation, on_device
+    from ..ipc.cuda import export_allocation, on_device
 
     rows: list[Check] = []
     try:
@@ -130,7 +130,7 @@ def _ipc_probe(drv: CudaDriver, device: int) -> list[Check]:
 
 def _server_checks(url: str, timeout: float) -> list[Check]:
     try:
-        from .client import Client
+        from ..client import Client
 
         with Client(url, timeout=timeout) as client:
             noop = client.noop()
@@ -162,7 +162,7 @@ def run_doctor(url: str | None, timeout: float, *, driver: CudaDriver | None = N
     """Every check as (check, result, ok). ``driver`` replaces cuda-python (tests);
     ``engine_fraction`` is the engine's share of GPU memory (vLLM's
     ``--gpu-memory-utilization``) for the L1 advice; ``box`` receives the facts."""
-    from . import __version__
+    from .. import __version__
 
     box = box if box is not None else Box()
     rows: list[Check] = [

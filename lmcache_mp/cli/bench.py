@@ -29,10 +29,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .client import Client
-from .errors import InvalidArgument
-from .ipc.cpu_cache import CpuKVCache
-from .keys import CacheKey
+from ..client import Client
+from ..errors import InvalidArgument
+from ..ipc.cpu_cache import CpuKVCache
+from ..keys import CacheKey
 
 __all__ = ["Contender", "Ours", "Bare", "Memcpy", "Config", "run"]
 

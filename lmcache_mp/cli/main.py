@@ -20,10 +20,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .client import Client
-from .errors import LMCacheMPError
-from .hashing import DEFAULT_CHUNK_SIZE, object_keys
-from .keys import CacheKey
+from ..client import Client
+from ..errors import LMCacheMPError
+from ..hashing import DEFAULT_CHUNK_SIZE, object_keys
+from ..keys import CacheKey
 
 __all__ = ["main"]
 
@@ -114,7 +114,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_clean(args: argparse.Namespace) -> int:
-    from .ipc.shm import SHM_DIR, sweep_dead_segments
+    from ..ipc.shm import SHM_DIR, sweep_dead_segments
 
     swept = sweep_dead_segments(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
@@ -214,7 +214,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LMCacheMPError as exc:
         print(f"lmcache-mp {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ not answer memory queries there, so free memory comes from ``cudaMemGetInfo``. C
 IPC works for ``cudaMalloc`` memory on GB10 but not for VMM memory (PyTorch
 ``expandable_segments``, vLLM's cumem allocator / sleep mode), nor at all on Jetson
 (Tegra); engine-driven transfers need only a shared ``/dev/shm``. Each fact is a
-:data:`~lmcache_mp.doctor.Check` row; :class:`Box` keeps what the recommendation needs.
+:data:`~lmcache_mp.cli.doctor.Check` row; :class:`Box` keeps what the recommendation needs.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import LMCacheMPError, ProtocolMismatch
+from ..errors import LMCacheMPError, ProtocolMismatch
 
 if TYPE_CHECKING:
-    from .ipc.cuda import CudaDriver
+    from ..ipc.cuda import CudaDriver
 
 __all__ = ["Box", "gpu_facts", "host_facts", "server_sharing", "recommend", "server_pid"]
 
@@ -65,7 +65,7 @@ def _gib(n: float) -> str:
 def gpu_facts(drv: CudaDriver, device: int, box: Box) -> list[Check]:
     """Integrated or discrete, compute capability, pageable memory access, free memory
     (``cudaMemGetInfo``: NVML answers "Not Supported" on GB10)."""
-    from .ipc.cuda import on_device
+    from ..ipc.cuda import on_device
 
     rows: list[Check] = []
     attr = getattr(drv, "device_attribute", None)
@@ -188,8 +188,8 @@ def server_sharing(url: str, timeout: float, box: Box) -> list[Check]:
     ``mode="auto"`` maps the server's L1 pool here (engine-driven) or, without a pool,
     has the server map our segment (server-copy); then unregistered. Plus the IPC
     namespaces, when the server's process is visible from here."""
-    from .client import Client
-    from .ipc.cpu_cache import CpuKVCache
+    from ..client import Client
+    from ..ipc.cpu_cache import CpuKVCache
 
     box.server = True
     rows: list[Check] = []

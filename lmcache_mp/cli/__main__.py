@@ -1,0 +1,9 @@
+"""``python -m lmcache_mp.cli``: the ``lmcache-mp`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from .main import main
+
+sys.exit(main())
