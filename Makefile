@@ -7,13 +7,11 @@ VENV := .venv
 
 .PHONY: setup oracle vllm-venv demo demo-vllm test lint unit fixtures bench bench-smoke bench-vllm bench-vllm-smoke bench-vllm-workloads readme clean mutate mutate-report
 
-$(VENV)/.installed: pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --disable-pip-version-check --upgrade pip
-	# torch first and pinned (a CPU build on local disk): it enables the torch views of
-	# CpuKVCache in the tests; a bare torch requirement would pull a multi-GB CUDA build.
-	$(VENV)/bin/pip install -q --disable-pip-version-check torch==2.13.0
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,bench]'
+$(VENV)/.installed: pyproject.toml scripts/uv.sh
+	# uv (scripts/uv.sh): torch first and pinned, the local CPU build (it enables the
+	# torch views of CpuKVCache in the tests; a bare torch requirement would pull a
+	# multi-GB CUDA build); pip kept in the venv (--seed) for the aarch64 check.
+	bash -c 'source scripts/uv.sh && uv_venv $(VENV) && uv_install $(VENV) -e ".[dev,bench]"'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -53,19 +51,14 @@ lint: setup
 unit: setup
 	LMCACHE_MP_SKIP_LIVE=1 $(VENV)/bin/python -m pytest -q
 
-# The whole suite against 0.5.3, then the live tests against every other release, then
-# the vLLM scheduler-level tests on vLLM 0.33's tree against the newest release.
+# Everything, as pytest jobs side by side (tools/run_suites.py; logs in build/test-logs/):
+# the offline tests; the live tests against every release, each split in two (the
+# client's own, and tests/vllm's real engines); vLLM 0.33's scheduler against the newest
+# release. TEST_JOBS=1 runs them one after another.
+TEST_JOBS ?= 3
 test: setup oracle vllm-venv lint
-	$(VENV)/bin/python -m pytest -q -ra
-	for v in $(filter-out 0.5.3,$(RELEASES)); do \
-	  echo "== live tests against LMCache $$v"; \
-	  LMCACHE_MP_SERVER_VERSION=$$v $(VENV)/bin/python -m pytest -q -ra -m live || exit 1; \
-	done
-	echo "== vLLM $(VLLM_TREE)'s scheduler against LMCache $(lastword $(RELEASES))"
-	LMCACHE_MP_VLLM_VENV=$(CURDIR)/.venv-vllm-$(VLLM_TREE) \
-	  LMCACHE_MP_SERVER_VERSION=$(lastword $(RELEASES)) \
-	  $(VENV)/bin/python -m pytest -q -ra -m live tests/vllm/test_vllm_live.py \
-	  -k "not server"  # failure handling (servers down, restarted, two): on 0.32 (CI time)
+	$(VENV)/bin/python tools/run_suites.py --jobs $(TEST_JOBS) --releases $(RELEASES) \
+	  --vllm-tree-venv $(CURDIR)/.venv-vllm-$(VLLM_TREE)
 
 # Mutation testing (mutmut 3) of the protocol core, registration flows, key building,
 # hashing, the copy module and the pickle emitter against the offline suite only; not

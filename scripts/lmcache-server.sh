@@ -11,10 +11,10 @@
 # and run/ (pid and log files). lmcache_mp itself never imports lmcache; only this venv does.
 set -euo pipefail
 
+source "$(dirname "${BASH_SOURCE[0]}")/uv.sh"
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 oracle_dir=${LMCACHE_MP_ORACLE_DIR:-$repo/.oracle}
 python_bin=${PYTHON:-python3}
-torch_pin=${LMCACHE_MP_TORCH:-torch==2.13.0}
 
 cmd=${1:-}; shift || true
 version=0.5.3; port=5555; extra=()
@@ -47,35 +47,14 @@ install_locked() {
   if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('lmcache') != '$version')" 2>/dev/null; then
     return 0
   fi
-  echo "lmcache-server.sh: installing the oracle venv $venv (lmcache==$version over a shared torch)" >&2
-  install_torch_base
-  rm -rf "$venv"
-  "$python_bin" -m venv "$venv"
-  # Share one torch install between the per-version venvs (about 1 GB and 25 s each):
-  # a .pth file puts the base venv's site-packages after this venv's own, and pip
-  # counts what it finds there as installed.
-  local base_site venv_site
-  base_site=$("$oracle_dir/torch-base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  venv_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "$base_site" >"$venv_site/_lmcache_mp_shared_torch.pth"
-  "$venv/bin/pip" install -q --disable-pip-version-check --upgrade pip
-  # An exact pin (lmcache==0.5.7rc2) selects a pre-release of lmcache alone; pip's --pre
-  # would also take pre-releases of its dependencies, and httpx 1.0.dev breaks lmcache's
-  # import (no httpx.AsyncClient), so httpx is held below 1 as well.
-  "$venv/bin/pip" install -q --disable-pip-version-check "lmcache==$version" "httpx<1"
+  echo "lmcache-server.sh: installing the oracle venv $venv (lmcache==$version, uv)" >&2
+  # torch: the local CPU build, linked from uv's cache (scripts/uv.sh).
+  uv_venv "$venv"
+  # An exact pin (lmcache==0.5.7rc2) selects a pre-release of lmcache alone; allowing
+  # pre-releases generally would also take them for its dependencies, and httpx 1.0.dev
+  # breaks lmcache's import (no httpx.AsyncClient), so httpx is held below 1 as well.
+  uv_install "$venv" "lmcache==$version" "httpx<1"
   "$venv/bin/python" -c "import torch, lmcache; print('oracle', lmcache.__file__, 'torch', torch.__version__)" >&2
-}
-
-install_torch_base() {
-  local base=$oracle_dir/torch-base
-  if [ -x "$base/bin/python" ] && "$base/bin/python" -c "import torch" 2>/dev/null; then
-    return 0
-  fi
-  rm -rf "$base"
-  "$python_bin" -m venv "$base"
-  "$base/bin/pip" install -q --disable-pip-version-check --upgrade pip
-  # Pinned: a bare 'torch' requirement would pull a multi-GB CUDA build.
-  "$base/bin/pip" install -q --disable-pip-version-check "$torch_pin"
 }
 
 # Sends GET_CHUNK_SIZE with raw pyzmq + msgspec from the oracle venv; exit 0 when answered.

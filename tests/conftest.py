@@ -30,10 +30,31 @@ SERVER_VERSION = os.environ.get("LMCACHE_MP_SERVER_VERSION", "0.5.3")
 EXPECTED_FAMILY = {rel: p.name for p in PROFILES.values() for rel in p.releases}
 
 
+# tools/run_suites.py gives each pytest job it runs side by side a port range of its own
+# ("LO:HI"): a port the kernel picks (bind to 0) is free when picked, but another job may
+# pick it too before the server that is to use it has bound it.
+_PORT_RANGE = os.environ.get("LMCACHE_MP_PORT_RANGE")
+_next_port = [int(_PORT_RANGE.split(":")[0])] if _PORT_RANGE else []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on: the next free one of this job's
+    range under tools/run_suites.py, else one the kernel picks."""
+    if not _next_port:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    hi = int(_PORT_RANGE.split(":")[1]) if _PORT_RANGE else 0
+    while _next_port[0] < hi:
+        port = _next_port[0]
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"LMCACHE_MP_PORT_RANGE={_PORT_RANGE}: every port of the range used")
 
 
 @dataclass

@@ -46,6 +46,7 @@ from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR, sweep_dead_segments
 from lmcache_mp.transport import MAX_REPLY_BYTES
 
 from .fake_server import FakeServer, slot_geometry
+from .live_helpers import our_segments
 
 CHUNK = 256
 SLACK = 0.1  # a call resolves within its deadline plus this
@@ -285,7 +286,7 @@ def test_cpu_cache_allocation_is_checked_and_reserved_up_front(
         st = os.stat(os.path.join(SHM_DIR, cache.segment_names[0][1:]))
         assert st.st_blocks * 512 >= cache.geometry.layer_nbytes
     # More than /dev/shm has free: refused before any segment is made.
-    before = set(os.listdir(SHM_DIR))
+    before = our_segments()  # other pytest jobs may run side by side
     monkeypatch.setattr(cpu_cache_mod, "shm_free_bytes", lambda: 1 << 20)
     with pytest.raises(InvalidArgument, match="free"):
         CpuKVCache.allocate(**dims, num_blocks=64)  # type: ignore[arg-type]
@@ -297,7 +298,7 @@ def test_cpu_cache_allocation_is_checked_and_reserved_up_front(
     monkeypatch.setattr(shm.os, "posix_fallocate", full)
     with pytest.raises(InvalidArgument, match="not enough shared memory"):
         CpuKVCache.allocate(**dims, num_blocks=64)  # type: ignore[arg-type]
-    assert set(os.listdir(SHM_DIR)) - before == set()
+    assert our_segments() - before == set()
 
 
 def test_argument_errors_are_lmcache_mp_errors(fake: FakeServer, kv: CpuKVCache) -> None:

@@ -1,0 +1,139 @@
+"""Runs the whole test suite as independent pytest jobs side by side (``make test``).
+
+The suite is the offline tests once, the live tests against every supported LMCache
+release (each split in two: the client's own live tests, and tests/vllm's real
+engines), and vLLM 0.33's scheduler against the newest release. Each job is a pytest
+process of its own with its release in ``LMCACHE_MP_SERVER_VERSION``, its own port
+range for the servers it starts (``LMCACHE_MP_PORT_RANGE``: parallel jobs never race
+for a port) and its output in ``build/test-logs/<job>.log``; the longest jobs start
+first. Much of a live job is waiting (a server starting, a reaper's timeout, an engine
+restarting), so a few jobs share 2 cores well; ``--jobs 1`` runs them one by one.
+
+A failed job's log tail is printed when it ends; the exit status is 1 if any job
+failed. Ctrl-C (or SIGTERM) interrupts every job the way Ctrl-C interrupts pytest, so
+their fixtures still stop the servers they started.
+
+    python tools/run_suites.py --releases 0.5.3 0.5.4 [--vllm-tree-venv DIR] [--jobs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LOGS = REPO / "build" / "test-logs"
+PORTS_PER_JOB = 400
+FIRST_PORT = 20000  # below Linux's ephemeral range (32768-60999): no kernel-chosen clash
+
+
+@dataclass
+class Job:
+    name: str
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    expected_s: float = 60.0  # for the order only: the longest jobs start first
+
+
+def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
+    first, newest = releases[0], releases[-1]
+    jobs = [Job("offline", ["-m", "not live"], {"LMCACHE_MP_SERVER_VERSION": first}, 150)]
+    for rel in releases:
+        env = {"LMCACHE_MP_SERVER_VERSION": rel}
+        jobs.append(Job(f"live-{rel}", ["-m", "live", "--ignore=tests/vllm"], env, 200))
+        jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/vllm"], env, 250))
+    if tree_venv:
+        # Failure handling (servers down, restarted, two) runs on 0.32's real engines.
+        jobs.append(Job(f"vllm-tree-{newest}", [
+            "-m", "live", "tests/vllm/test_vllm_live.py", "-k", "not server"],
+            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 120))
+    return sorted(jobs, key=lambda j: -j.expected_s)
+
+
+@dataclass
+class Running:
+    job: Job
+    proc: subprocess.Popen[bytes]
+    log: Path
+    started: float
+
+
+def summary_line(log: Path) -> str:
+    """pytest's last line ("N passed, M skipped in Ts"), without its decoration."""
+    lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1].strip("= ") if lines else "(no output)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--releases", nargs="+", required=True)
+    ap.add_argument("--vllm-tree-venv", help="a vLLM tree venv (scripts/vllm-tree-venv.sh)")
+    ap.add_argument("--jobs", type=int, default=int(os.environ.get("LMCACHE_MP_TEST_JOBS", 3)))
+    ap.add_argument("--only", nargs="*", help="run only the jobs of these names")
+    ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
+    opts = ap.parse_args()
+
+    todo = jobs_for(opts.releases, opts.vllm_tree_venv)
+    if opts.only:
+        todo = [j for j in todo if j.name in opts.only]
+    LOGS.mkdir(parents=True, exist_ok=True)
+    running: list[Running] = []
+    failed: list[str] = []
+    start = time.monotonic()
+    slots = list(range(max(1, opts.jobs)))  # each slot owns a port range
+
+    def stop_all(signum: int, frame: object) -> None:
+        for r in running:  # pytest's own Ctrl-C: fixtures tear down, servers stop
+            os.killpg(r.proc.pid, signal.SIGINT)
+        for r in running:
+            r.proc.wait()
+        sys.exit(130)
+
+    signal.signal(signal.SIGTERM, stop_all)
+    signal.signal(signal.SIGINT, stop_all)
+    slot_of: dict[int, int] = {}
+    print(f"run_suites: {len(todo)} jobs, {opts.jobs} at a time; logs in {LOGS}", flush=True)
+    while todo or running:
+        while todo and len(running) < opts.jobs:
+            job = todo.pop(0)
+            slot = slots.pop(0)
+            lo = FIRST_PORT + slot * PORTS_PER_JOB
+            log = LOGS / f"{job.name}.log"
+            env = {**os.environ, **job.env, "LMCACHE_MP_PORT_RANGE": f"{lo}:{lo + PORTS_PER_JOB}"}
+            cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
+                   *job.args, *opts.pytest_args]
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            running.append(Running(job, proc, log, time.monotonic()))
+            slot_of[proc.pid] = slot
+        time.sleep(0.5)
+        for r in [r for r in running if r.proc.poll() is not None]:
+            running.remove(r)
+            slots.append(slot_of.pop(r.proc.pid))
+            took = time.monotonic() - r.started
+            rc = r.proc.returncode
+            # pytest's 5: nothing collected (a release with no such tests) is no failure.
+            ok = rc in (0, 5)
+            print(f"run_suites: {r.job.name:<24} {'ok  ' if ok else 'FAIL'} {took:6.0f} s  "
+                  f"{summary_line(r.log)}", flush=True)
+            if not ok:
+                failed.append(r.job.name)
+                tail = r.log.read_text(errors="replace").splitlines()[-150:]
+                print("\n".join(f"  {r.job.name}| {ln}" for ln in tail), flush=True)
+    total = time.monotonic() - start
+    if failed:
+        print(f"run_suites: FAILED: {', '.join(failed)} (in {total:.0f} s; logs in {LOGS})")
+        return 1
+    print(f"run_suites: every job passed in {total:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
