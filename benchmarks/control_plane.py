@@ -96,6 +96,30 @@ def per_call_us(fn: Callable[[], object], n: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def cpu_per_call_us(fn: Callable[[], object], n: int) -> float:
+    """This process's CPU time (every thread: ours' I/O, zmq's) per call, in us: what
+    a call costs the engine that makes it, whatever the server's latency."""
+    start = time.process_time()
+    for _ in range(n):
+        fn()
+    return (time.process_time() - start) / n * 1e6
+
+
+def import_ms(python: str, runs: int) -> tuple[float, float]:
+    """Median wall time of ``import lmcache_mp`` in a fresh interpreter, minus that of
+    the bare interpreter (same python, same flags), and the bare time, in ms."""
+    def median_ms(code: str) -> float:
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            subprocess.run([python, "-c", code], check=True, cwd=REPO)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    bare = median_ms("pass")
+    return median_ms("import lmcache_mp") - bare, bare
+
+
 def p50_us(fn: Callable[[], object], n: int) -> float:
     """The median of ``n`` single-call latencies (each call timed on its own)."""
     clock = time.perf_counter_ns
@@ -122,7 +146,14 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--pipeline", type=int, default=2000)
     ap.add_argument("--json", help="write results here too")
+    ap.add_argument("--python", default=str(REPO / ".venv/bin/python"),
+                    help="the interpreter import time is measured with (ours: .venv)")
+    ap.add_argument("--cpu-guard", type=float, default=1.15,
+                    help="exit 1 when our CPU per NOOP exceeds this times a bare DEALER's")
+    ap.add_argument("--import-guard-ms", type=float, default=100.0,
+                    help="exit 1 when import lmcache_mp takes longer (median, ms)")
     args = ap.parse_args()
+    python = args.python if Path(args.python).exists() else sys.executable
 
     port = None
     url = args.url
@@ -163,7 +194,8 @@ def main() -> int:
                 fn()
 
         results: dict[str, list[float]] = {k: [] for k in (
-            "noop_us.bare", "noop_us.ours", "noop_us.ours_registered_hb10s",
+            "noop_us.bare", "noop_us.ours", "noop_cpu_us.bare", "noop_cpu_us.ours",
+            "import_ms.ours", "noop_us.ours_registered_hb10s",
             "noop_us.ours_registered_hb50ms", "noop_us.lmcache",
             "noop_p50_us.ours", "noop_p50_us.ours_registered_hb10s",
             "noop_p50_us.ours_registered_hb50ms",
@@ -172,6 +204,9 @@ def main() -> int:
         for _ in range(args.rounds):
             results["noop_us.bare"].append(per_call_us(bare_noop, args.calls))
             results["noop_us.ours"].append(per_call_us(ours.noop, args.calls))
+            results["noop_cpu_us.bare"].append(cpu_per_call_us(bare_noop, args.calls))
+            results["noop_cpu_us.ours"].append(cpu_per_call_us(ours.noop, args.calls))
+            results["import_ms.ours"].append(import_ms(python, 3)[0])
             results["noop_us.ours_registered_hb10s"].append(per_call_us(ours_hb.noop, args.calls))
             results["noop_us.ours_registered_hb50ms"].append(
                 per_call_us(ours_fast_hb.noop, args.calls))
@@ -186,6 +221,8 @@ def main() -> int:
         med = {k: statistics.median(v) for k, v in results.items()}
         ratios = {
             "noop ours/bare (latency, lower is better)": med["noop_us.ours"] / med["noop_us.bare"],
+            "noop ours/bare (client CPU per call)":
+                med["noop_cpu_us.ours"] / med["noop_cpu_us.bare"],
             "noop ours/lmcache (latency)": med["noop_us.ours"] / med["noop_us.lmcache"],
             "noop p50 with a registration, 10 s heartbeat / none":
                 med["noop_p50_us.ours_registered_hb10s"] / med["noop_p50_us.ours"],
@@ -205,6 +242,15 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"medians": med, "ratios": ratios,
                                                    "rounds": results}, indent=1))
+        cpu_ratio = ratios["noop ours/bare (client CPU per call)"]
+        guards = [(cpu_ratio <= args.cpu_guard,
+                   f"client CPU per NOOP {cpu_ratio:.2f}x a bare DEALER's (guard "
+                   f"{args.cpu_guard:.2f}x)"),
+                  (med["import_ms.ours"] <= args.import_guard_ms,
+                   f"import lmcache_mp {med['import_ms.ours']:.0f} ms (guard "
+                   f"{args.import_guard_ms:.0f} ms, {python})")]
+        for ok, what in guards:
+            print(f"guard {'ok  ' if ok else 'FAIL'} {what}")
         for reg in regs:
             reg.unregister(unlink=False)
         kv.close()
@@ -217,7 +263,7 @@ def main() -> int:
         if port is not None:
             subprocess.run([str(REPO / "scripts/lmcache-server.sh"), "stop", "--port", str(port)],
                            check=False, stdout=subprocess.DEVNULL)
-    return 0
+    return 0 if all(ok for ok, _ in guards) else 1
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ pytestmark = [
 ]
 CHUNK = 256
 DEADLINE = 1.0  # every call of the traffic threads
-SLACK = 0.1  # ... resolves within DEADLINE + SLACK
+SLACK = 0.3  # ... resolves within DEADLINE + SLACK (room for a loaded 2-core machine)
 THREADS = 4
 EXPECTED = (ServerUnavailable, RequestTimeout)  # ServerUnresponsive is a ServerUnavailable
 

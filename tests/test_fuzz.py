@@ -540,7 +540,7 @@ def test_a_fuzzing_router_gets_protocol_mismatch_or_timeouts_and_the_client_reco
         except (ProtocolMismatch, RequestTimeout, ServerUnresponsive) as err:
             outcome = type(err).__name__
         # Nothing else may surface: no bare exception, no other error, no hang.
-        assert time.monotonic() - start < 2 * 0.2 + 0.1
+        assert time.monotonic() - start < 2 * 0.2 + 0.4  # two deadlines, and room for a busy box
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
         fuzz_router.honest.set()
         # The client keeps working: the next call is served (a server judged

@@ -49,7 +49,11 @@ from .fake_server import FakeServer, slot_geometry
 from .live_helpers import our_segments
 
 CHUNK = 256
-SLACK = 0.1  # a call resolves within its deadline plus this
+# A call resolves within its deadline plus this; "at once" is under FAST. Both leave room
+# for a loaded machine (make test runs pytest jobs side by side on 2 cores) and still
+# tell "at once" from "at the deadline" (every deadline here is >= 0.3 s).
+SLACK = 0.3
+FAST = 0.2
 
 
 
@@ -88,7 +92,7 @@ def test_a_server_that_answers_nothing_is_unresponsive_then_calls_fail_at_once(
         sent = len(fake.seen)
         for call in (c.noop, c.chunk_size, c.get_experimental, lambda: c.ping(7)):
             took, err = timed(call)
-            assert isinstance(err, ServerUnresponsive) and took < 0.05, (took, err)
+            assert isinstance(err, ServerUnresponsive) and took < FAST, (took, err)
         # Failed calls were not sent; at most one fresh probe (one per second).
         assert len(fake.seen) - sent <= 1
         fake.silent.clear()
@@ -104,7 +108,7 @@ def test_a_dropped_request_on_a_live_server_stays_a_plain_timeout(fake: FakeServ
         assert type(err) is RequestTimeout and 0.4 <= took < 0.4 + SLACK
         assert "although the server is answering" in str(err)
         took, err = timed(c.noop)  # not gated
-        assert err is None and took < 0.1
+        assert err is None and took < 1.0  # not gated (its deadline is 5 s)
         assert fake.ops().count("NOOP") == 2  # the probe and this call
 
 
@@ -153,7 +157,7 @@ def test_protocol_detection_against_a_silent_server_is_unresponsive(fake: FakeSe
         took, err = timed(c.noop)
         assert isinstance(err, ServerUnresponsive) and took < 0.5 + SLACK
         took, err = timed(c.noop)
-        assert isinstance(err, ServerUnresponsive) and took < 0.05
+        assert isinstance(err, ServerUnresponsive) and took < FAST
         fake.silent.clear()
         # The detection's fence, answered late, lifts the gate (the fake answers
         # what it received once it speaks again only for new requests: a re-probe).

@@ -63,8 +63,9 @@ def test_auto_detection_is_fast_and_leaves_the_server_answering(
         with Client(live_server.url, timeout=3.0) as c:
             start = time.monotonic()
             assert c.server_protocol == expected_family
-            # One round trip up to 0.5.5; 0.5.6+ adds a 0.25 s grace and a key-form round trip.
-            assert time.monotonic() - start < (0.6 if expected_family in ("0.5.6", "0.5.7") else 0.2)
+            # One round trip up to 0.5.5; 0.5.6+ adds a 0.25 s grace and a key-form round
+            # trip. Generous for a busy machine, well under the 3 s deadline.
+            assert time.monotonic() - start < (1.2 if expected_family in ("0.5.6", "0.5.7") else 0.8)
             assert c.detection is not None and c.detection.profile == expected_family
             assert c.noop() == "OK" and c.chunk_size() == 256
             assert c._conn.transport.in_flight == 0  # no probe left pending

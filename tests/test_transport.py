@@ -135,7 +135,7 @@ def test_unanswered_request_times_out_within_deadline() -> None:
         start = time.monotonic()
         with pytest.raises(RequestTimeout, match="no reply to NOOP from the LMCache server"):
             t.wait(p)
-        assert 0.0 < time.monotonic() - start < 0.3 + 0.15
+        assert 0.0 < time.monotonic() - start < 0.3 + 0.3  # deadline + room for a busy box
         assert t.in_flight == 0
     finally:
         t.close()
@@ -170,7 +170,7 @@ def test_absent_server_is_unavailable_within_deadline() -> None:
         start = time.monotonic()
         with pytest.raises(ServerUnavailable, match="refused|no connection"):
             t.wait(p)
-        assert time.monotonic() - start < 0.4 + 0.15
+        assert time.monotonic() - start < 0.4 + 0.3  # deadline + room for a busy box
     finally:
         t.close()
 
