@@ -17,7 +17,7 @@ import numpy as np
 
 import lmcache_mp
 from lmcache_mp import CacheKey, Client, CpuKVCache, Registration, Request, ServerUnavailable
-from lmcache_mp.hashing import chunk_hashes
+from lmcache_mp.protocol.hashing import chunk_hashes
 
 
 def step(title: str) -> None:

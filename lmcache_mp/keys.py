@@ -1,7 +1,7 @@
 """The public cache key, validated the way the LMCache server would (and stricter).
 
 A :class:`CacheKey` names a token sequence and a token range of it for one model and
-world size. The server hashes ``token_ids`` itself (see :mod:`lmcache_mp.hashing`);
+world size. The server hashes ``token_ids`` itself (see :mod:`lmcache_mp.protocol.hashing`);
 ``request_id`` is the session key and is excluded from equality, as in LMCache.
 """
 

@@ -21,9 +21,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from lmcache_mp.hashing import chunk_hashes
 from lmcache_mp.ipc.shm import ShmSegment
 from lmcache_mp.protocol import get_profile
+from lmcache_mp.protocol.hashing import chunk_hashes
 
 from .conftest import free_port
 

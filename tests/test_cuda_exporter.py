@@ -35,8 +35,8 @@ from lmcache_mp.ipc.cuda import (
     uuid_bytes,
     write_handle_bytes,
 )
-from lmcache_mp.pickle_emitter import emit_cuda_ipc_wrapper, emit_raw_cuda_wrapper
 from lmcache_mp.protocol import Profile, get_profile
+from lmcache_mp.protocol.pickles.emitter import emit_cuda_ipc_wrapper, emit_raw_cuda_wrapper
 from lmcache_mp.protocol.types import WrapperBlob
 
 from .fake_cuda import UUID16, UUID_STR, FakeDriver, FakeTensor

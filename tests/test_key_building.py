@@ -17,8 +17,8 @@ import msgspec
 import pytest
 
 from lmcache_mp import CacheKey
-from lmcache_mp.hashing import object_keys
 from lmcache_mp.protocol import encode_request
+from lmcache_mp.protocol.hashing import object_keys
 
 from .fake_server import server_read_locks
 from .fixture_values import FIXTURES, RELEASES, load, load_all, profile_for

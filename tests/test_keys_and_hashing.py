@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from lmcache_mp import CacheKey, InvalidArgument
-from lmcache_mp.hashing import NONE_HASH, chunk_hashes, kv_rank, object_keys
 from lmcache_mp.protocol import get_profile
+from lmcache_mp.protocol.hashing import NONE_HASH, chunk_hashes, kv_rank, object_keys
 
 from .fixture_values import load
 

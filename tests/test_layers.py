@@ -185,7 +185,7 @@ def test_the_graph_sees_the_package() -> None:
     assert f"{PKG}.transport" in GRAPH[f"{PKG}.session.connection"][0]
     # under TYPE_CHECKING:
     assert f"{PKG}.session.registration" in GRAPH[f"{PKG}.session.transfers"][0]
-    assert f"{PKG}.pickle_emitter" in GRAPH[f"{PKG}.protocol.wrappers"][0]  # in a function
+    assert f"{PKG}.protocol.pickles.emitter" in GRAPH[f"{PKG}.protocol.wrappers"][0]  # in a function
 
 
 def test_transport_knows_no_protocol_memory_or_session() -> None:

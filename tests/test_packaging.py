@@ -44,7 +44,7 @@ def test_installed_wheel_emits_from_its_own_templates(wheel: Path, tmp_path: Pat
     code = "\n".join([
         "import sys",
         f"sys.path.insert(0, {str(target)!r})",
-        "import lmcache_mp.pickle_templates as t, lmcache_mp.pickle_emitter as e",
+        "import lmcache_mp.pickle_templates as t, lmcache_mp.protocol.pickles.emitter as e",
         f"assert t.__file__.startswith({str(target)!r}), t.__file__",
         "b = e.emit_cpu_shm_wrapper(shm_name='/x', nbytes=8, dtype='float16', shape=(4,),"
         " stride=(1,))",

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from lmcache_mp.errors import InvalidArgument
-from lmcache_mp.pickle_emitter import (
+from lmcache_mp.protocol.pickles.emitter import (
     TEMPLATE_NAMES,
     TORCH_DTYPES,
     emit,
@@ -306,7 +306,7 @@ def test_templates_ship_and_match_the_lmcache_init_order() -> None:
 
 def test_emitter_imports_neither_lmcache_nor_torch() -> None:
     code = (
-        "import sys, lmcache_mp.pickle_emitter as e\n"
+        "import sys, lmcache_mp.protocol.pickles.emitter as e\n"
         "e.emit_cpu_shm_wrapper(shm_name='/x', nbytes=0, dtype='float16', shape=(), stride=())\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('lmcache', 'torch', 'cuda')]\n"
         "assert not bad, bad\n"
@@ -463,7 +463,7 @@ def test_templates_load_from_a_source_checkout(tmp_path: Path) -> None:
         # Drop the editable install's finder: only the copied checkout may answer.
         "sys.meta_path = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]",
         f"sys.path.insert(0, {str(tmp_path)!r})",
-        "import lmcache_mp, lmcache_mp.pickle_emitter as e",
+        "import lmcache_mp, lmcache_mp.protocol.pickles.emitter as e",
         f"assert lmcache_mp.__file__.startswith({str(tmp_path)!r}), lmcache_mp.__file__",
         "import importlib.util",
         "assert importlib.util.find_spec('lmcache_mp.pickle_templates') is None",

@@ -16,8 +16,8 @@ import pytest
 
 from lmcache_mp import InvalidArgument
 from lmcache_mp.ipc.base import CudaLayerExport
-from lmcache_mp.pickle_emitter import emit_cuda_ipc_wrapper
 from lmcache_mp.protocol import get_profile
+from lmcache_mp.protocol.pickles.emitter import emit_cuda_ipc_wrapper
 
 HANDLE = bytes(range(7, 71))  # 64 bytes
 UUID = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"

@@ -8,7 +8,7 @@ of the installed LMCache (0.5.3) without a tensor or a GPU: ``object.__new__(cls
 then the attributes in the order the class's ``__init__`` assigns them (that order is the
 ``__dict__`` order pickle writes). Every case is written to ``<out>/v<version>/pickles.json``
 as ``{"template", "fields", "pickle": hex}``; tests/test_pickle_emitter.py checks that
-``lmcache_mp.pickle_emitter`` reproduces each pickle byte for byte, without lmcache.
+``lmcache_mp.protocol.pickles.emitter`` reproduces each pickle byte for byte, without lmcache.
 
 Field values are JSON with bytes tagged as ``{"$bytes": hex}``; tuples are lists and the
 dtype is its canonical torch name (``"float16"``). Deterministic (fixed seed).
@@ -31,7 +31,7 @@ import torch
 from lmcache.v1.platform.cpu.shm import CpuShmTensorWrapper
 from lmcache.v1.platform.cuda.ipc_wrapper import CudaIPCWrapper, RawCudaIPCWrapper
 
-# The dtype names lmcache_mp.pickle_emitter.TORCH_DTYPES supports (kept separate on
+# The dtype names lmcache_mp.protocol.pickles.emitter.TORCH_DTYPES supports (kept separate on
 # purpose: this script is the oracle and must not import lmcache_mp).
 DTYPES = [
     "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",

@@ -42,7 +42,7 @@ IMPORT_TIME = {
     "lmcache_mp.protocol.operations.xǁOperationǁ__post_init__",
     "lmcache_mp.protocol.operations.xǁPayloadǁ__post_init__",
     "lmcache_mp.protocol.operations.x__make_validator",
-    "lmcache_mp.pickling.templates.x__template_text",  # behind load_template's cache
+    "lmcache_mp.protocol.pickles.templates.x__template_text",  # behind load_template's cache
 }
 # Calls whose string arguments are only message text.
 MESSAGE_CALLS = {

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 from ..client import Client
 from ..errors import LMCacheMPError
-from ..hashing import DEFAULT_CHUNK_SIZE, object_keys
 from ..keys import CacheKey
+from ..protocol.hashing import DEFAULT_CHUNK_SIZE, object_keys
 
 __all__ = ["main"]
 

@@ -69,7 +69,7 @@ _NO_REFCOUNTER = b"/lmcache_mp_no_refcounter_file"
 # ------------------------------------------------------------ pickled wrappers
 def pickle_cpu_shm(rec: ShmLayerExport) -> WrapperBlob:
     """0.5.3-0.5.5: a pickled ``CpuShmTensorWrapper``, emitted from its template."""
-    from ..pickle_emitter import emit_cpu_shm_wrapper
+    from .pickles.emitter import emit_cpu_shm_wrapper
 
     return WrapperBlob(emit_cpu_shm_wrapper(
         shm_name=rec.shm_name, nbytes=rec.nbytes, dtype=rec.dtype, shape=rec.shape,
@@ -87,7 +87,7 @@ def _base_only(rec: CudaLayerExport, what: str) -> None:
 def pickle_raw_cuda_v053(rec: CudaLayerExport) -> WrapperBlob:
     """A pickled 0.5.3 ``RawCudaIPCWrapper``: the bare 64-byte handle of an allocation
     base, no offset (the server needs cupy to open it)."""
-    from ..pickle_emitter import emit_raw_cuda_wrapper
+    from .pickles.emitter import emit_raw_cuda_wrapper
 
     _base_only(rec, "LMCache 0.5.3's RawCudaIPCWrapper")
     return WrapperBlob(emit_raw_cuda_wrapper(
@@ -97,7 +97,7 @@ def pickle_raw_cuda_v053(rec: CudaLayerExport) -> WrapperBlob:
 
 def pickle_raw_cuda_v055(rec: CudaLayerExport) -> WrapperBlob:
     """A pickled 0.5.5 ``RawCudaIPCWrapper`` (gains ``_alloc_offset`` and ``_opens``)."""
-    from ..pickle_emitter import emit
+    from .pickles.emitter import emit
 
     return WrapperBlob(emit("v0_5_5_raw_cuda", {
         "_ipc_handle_reserved": rec.ipc_handle, "_alloc_offset": rec.alloc_offset,
@@ -123,7 +123,7 @@ def torch_storage_handle(rec: CudaLayerExport) -> TorchStorageHandle:
 def pickle_torch_ipc(rec: CudaLayerExport) -> WrapperBlob:
     """A pickled ``CudaIPCWrapper``: the same class path and ``__dict__`` in 0.5.3,
     0.5.4 and 0.5.5 (``platform/cuda/ipc_wrapper.py``), so one template serves all."""
-    from ..pickle_emitter import emit_cuda_ipc_wrapper
+    from .pickles.emitter import emit_cuda_ipc_wrapper
 
     return WrapperBlob(emit_cuda_ipc_wrapper(
         handle=torch_storage_handle(rec), dtype=rec.dtype, shape=rec.shape,
@@ -174,7 +174,7 @@ class _VmmCudaIPCData(_IPCData, tag="cuda_vmm"):
 
 def _metadata(dtype: str, shape: Sequence[int], stride: Sequence[int],
               device_uuid: str) -> _TensorMetadata:
-    from ..pickle_emitter import TORCH_DTYPES
+    from .pickles.emitter import TORCH_DTYPES
 
     if dtype not in TORCH_DTYPES:
         raise InvalidArgument(f"unsupported dtype {dtype!r}")

@@ -6,7 +6,7 @@ type 1), and the server ``pickle.loads`` it. lmcache_mp must not depend on ``lmc
 itself from an annotated template per wrapper class (``pickle_templates/*.json``).
 
 This is the public module: :func:`emit` and one helper per wrapper class. The parts live
-in :mod:`lmcache_mp.pickling`: the template loader (``templates``), the field validators
+in :mod:`lmcache_mp.protocol.pickles`: the template loader (``templates``), the field validators
 (``fields``) and the opcode writer (``opcodes``, which also describes the shape of every
 wrapper pickle). Every value is validated and normalised to a plain builtin before it is
 written, so nothing a caller passes can add opcodes or name another global.
@@ -14,26 +14,12 @@ written, so nothing a caller passes can add opcodes or name another global.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 
-from .errors import InvalidArgument
-from .pickling.fields import _FIELD_TYPES, _OPTIONAL_TYPES, TORCH_DTYPES, CudaStorageHandle, FieldSpec
-from .pickling.opcodes import (
-    _BUILD,
-    _EMPTY_TUPLE,
-    _FRAME,
-    _FRAME_SIZE_TARGET,
-    _MEMOIZE,
-    _NEWOBJ,
-    _PROTO,
-    _STOP,
-    _Global,
-    _Value,
-    _write,
-    _write_dict,
-)
-from .pickling.templates import TEMPLATE_NAMES, Template, load_template
+from ...errors import InvalidArgument
+from .fields import FIELD_TYPES, OPTIONAL_TYPES, TORCH_DTYPES, CudaStorageHandle, FieldSpec
+from .opcodes import Value, wrapper_pickle
+from .templates import TEMPLATE_NAMES, Template, load_template
 
 __all__ = [
     "TEMPLATE_NAMES",
@@ -49,7 +35,7 @@ __all__ = [
 ]
 
 
-def _validate(template: Template, fields: Mapping[str, object]) -> list[tuple[str, _Value]]:
+def _validate(template: Template, fields: Mapping[str, object]) -> list[tuple[str, Value]]:
     if not isinstance(fields, Mapping):
         raise InvalidArgument(f"{template.name}: fields must be a mapping of field name to value")
     known = {f.name for f in template.fields}
@@ -59,12 +45,12 @@ def _validate(template: Template, fields: Mapping[str, object]) -> list[tuple[st
             f"{template.name}: unknown field(s) {', '.join(unknown)}; "
             f"the fields are {', '.join(f.name for f in template.fields)}"
         )
-    values: dict[str, _Value] = {}
+    values: dict[str, Value] = {}
     for spec in template.fields:
         where = f"{template.name}.{spec.name}"
-        if spec.name not in fields and spec.type not in _OPTIONAL_TYPES:
+        if spec.name not in fields and spec.type not in OPTIONAL_TYPES:
             raise InvalidArgument(f"{where}: missing; pass it (see the template's description)")
-        value = _FIELD_TYPES[spec.type](where, fields.get(spec.name), spec)
+        value = FIELD_TYPES[spec.type](where, fields.get(spec.name), spec)
         if spec.same_length_as is not None:
             other = values[spec.same_length_as]
             assert isinstance(value, tuple) and isinstance(other, tuple)
@@ -86,16 +72,7 @@ def emit(template_name: str, fields: Mapping[str, object]) -> bytes:
     :class:`~lmcache_mp.errors.InvalidArgument` for anything out of spec.
     """
     template = load_template(template_name)
-    items = _validate(template, fields)
-    body = bytearray()
-    _write(body, _Global(template.module, template.qualname))
-    body += _EMPTY_TUPLE + _NEWOBJ + _MEMOIZE
-    _write_dict(body, items)
-    body += _BUILD + _STOP
-    # Everything we emit is one frame (< 64 KiB; CPython only frames payloads of >= 4
-    # bytes and splits at 64 KiB). The frame length covers all that follows, STOP included.
-    assert 4 <= len(body) < _FRAME_SIZE_TARGET
-    return _PROTO + b"\x04" + _FRAME + struct.pack("<Q", len(body)) + bytes(body)
+    return wrapper_pickle(template.module, template.qualname, _validate(template, fields))
 
 
 def emit_cpu_shm_wrapper(

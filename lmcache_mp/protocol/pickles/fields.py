@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import InvalidArgument
-from .opcodes import _Global, _Value
+from ...errors import InvalidArgument
+from .opcodes import Global, Value
 
 #: Canonical ``torch.<name>`` dtype names we write. These are the names
 #: ``torch.dtype.__reduce__`` returns, i.e. what ``pickle.dumps`` writes for the dtype.
@@ -101,7 +101,7 @@ def _as_int_tuple(where: str, value: object, lo: int, hi: int, fix: str) -> tupl
     return tuple(_as_int(f"{where}[{i}]", x, lo, hi, fix) for i, x in enumerate(items))
 
 
-def _check_shm_name(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_shm_name(where: str, value: object, spec: FieldSpec) -> Value:
     fix = (
         "pass a POSIX shm name such as '/lmcache_kv_<pid>_<n>': "
         "a leading '/' then 1-250 of [A-Za-z0-9_.-]"
@@ -113,21 +113,21 @@ def _check_shm_name(where: str, value: object, spec: FieldSpec) -> _Value:
     return name
 
 
-def _check_nbytes(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_nbytes(where: str, value: object, spec: FieldSpec) -> Value:
     return _as_int(where, value, 0, _INT64_MAX, "pass the byte count as a non-negative int64")
 
 
-def _check_storage_offset(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_storage_offset(where: str, value: object, spec: FieldSpec) -> Value:
     return _as_int(where, value, 0, _INT64_MAX, "pass the offset in elements as a non-negative int")
 
 
-def _check_none(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_none(where: str, value: object, spec: FieldSpec) -> Value:
     if value is not None:
         raise _fail(where, f"must be None, got {value!r}", "omit it or pass None")
     return None
 
 
-def _check_const_str(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_const_str(where: str, value: object, spec: FieldSpec) -> Value:
     assert spec.value is not None  # guaranteed by the template loader
     if value is None:
         return spec.value
@@ -136,7 +136,7 @@ def _check_const_str(where: str, value: object, spec: FieldSpec) -> _Value:
     return spec.value
 
 
-def _check_torch_dtype(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_torch_dtype(where: str, value: object, spec: FieldSpec) -> Value:
     fix = f"pass one of {', '.join(sorted(TORCH_DTYPES))} (optionally prefixed 'torch.')"
     name = _as_str(where, value, fix)
     if name.startswith("torch."):  # str(tensor.dtype) gives 'torch.float16'
@@ -146,20 +146,20 @@ def _check_torch_dtype(where: str, value: object, spec: FieldSpec) -> _Value:
         raise _fail(where, f"{value!r} is an alias", f"pass {canonical!r}, the name pickle writes")
     if name not in TORCH_DTYPES:
         raise _fail(where, f"unsupported dtype {value!r}", fix)
-    return _Global("torch", name)
+    return Global("torch", name)
 
 
-def _check_shape(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_shape(where: str, value: object, spec: FieldSpec) -> Value:
     return _as_int_tuple(where, value, 0, _INT64_MAX, "pass tuple(tensor.shape): non-negative ints")
 
 
-def _check_stride(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_stride(where: str, value: object, spec: FieldSpec) -> Value:
     return _as_int_tuple(
         where, value, _INT64_MIN, _INT64_MAX, "pass tuple(tensor.stride()): int64s in elements"
     )
 
 
-def _check_cuda_uuid(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_cuda_uuid(where: str, value: object, spec: FieldSpec) -> Value:
     fix = (
         "pass str(torch.cuda.get_device_properties(i).uuid): lower-case 8-4-4-4-12 hex "
         "without a 'GPU-' prefix (for nvidia-smi's 'GPU-…' form use s[4:].lower())"
@@ -170,14 +170,14 @@ def _check_cuda_uuid(where: str, value: object, spec: FieldSpec) -> _Value:
     return uuid
 
 
-def _check_cuda_ipc_mem_handle(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_cuda_ipc_mem_handle(where: str, value: object, spec: FieldSpec) -> Value:
     return _as_bytes(
         where, value, _CUDA_IPC_HANDLE_LEN, _CUDA_IPC_HANDLE_LEN,
         "pass bytes(cudaIpcGetMemHandle(base_ptr).reserved), the 64-byte cudaIpcMemHandle_t",
     )
 
 
-def _check_cuda_storage_handle(where: str, value: object, spec: FieldSpec) -> _Value:
+def _check_cuda_storage_handle(where: str, value: object, spec: FieldSpec) -> Value:
     fix = (
         "pass the 8-tuple of UntypedStorage._share_cuda_(): (device index, storage handle "
         "bytes, storage size, storage byte offset, ref-counter name bytes, ref-counter "
@@ -206,7 +206,8 @@ def _check_cuda_storage_handle(where: str, value: object, spec: FieldSpec) -> _V
     )
 
 
-_FIELD_TYPES = {
+#: Each field type of a template -> its check: ``(where, value, spec)`` -> the value to write.
+FIELD_TYPES = {
     "shm_name": _check_shm_name,
     "nbytes": _check_nbytes,
     "storage_offset": _check_storage_offset,
@@ -219,5 +220,5 @@ _FIELD_TYPES = {
     "cuda_ipc_mem_handle": _check_cuda_ipc_mem_handle,
     "cuda_storage_handle": _check_cuda_storage_handle,
 }
-# Field types a caller may leave out (their value is fixed).
-_OPTIONAL_TYPES = frozenset({"none", "const_str"})
+#: Field types a caller may leave out (their value is fixed).
+OPTIONAL_TYPES = frozenset({"none", "const_str"})

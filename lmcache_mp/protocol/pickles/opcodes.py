@@ -1,7 +1,7 @@
 """The protocol-4 opcode writer: plain values in, the bytes ``pickle.dumps`` writes out.
 
 It mirrors CPython's C pickler (Modules/_pickle.c) at protocol 4 for the value kinds of
-``_Value``: the output is byte-identical to what CPython 3.11's ``pickle.dumps(obj)``
+``Value``: the output is byte-identical to what CPython 3.11's ``pickle.dumps(obj)``
 writes for the real wrapper class (checked against fixtures recorded in the oracle venv,
 see ``tools/gen_pickle_fixtures.py``), which keeps the wire frames comparable byte for
 byte with LMCache's own client. The shape of every wrapper pickle is::
@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
-from ..errors import InvalidArgument
+from ...errors import InvalidArgument
+
+__all__ = ["Global", "Value", "wrapper_pickle"]
 
 # Protocol-4 opcodes (names as in pickletools / Lib/pickle.py).
 _PROTO = b"\x80"
@@ -60,15 +62,15 @@ _SETITEMS_BATCH = 1000  # pickle's _BATCHSIZE; our dicts have at most 8 items
 
 
 @dataclass(frozen=True)
-class _Global:
+class Global:
     """A ``module.name`` global, written with STACK_GLOBAL."""
 
     module: str
     name: str
 
 
-# What the writer accepts: plain builtins (already validated) and globals.
-_Value: TypeAlias = "None | bool | int | str | bytes | _Global | tuple[_Value, ...]"
+#: What the writer accepts: plain builtins (already validated) and globals.
+Value: TypeAlias = "None | bool | int | str | bytes | Global | tuple[Value, ...]"
 
 
 def _write_str(out: bytearray, s: str) -> None:
@@ -111,7 +113,7 @@ def _write_int(out: bytearray, v: int) -> None:
         out += _LONG1 + bytes((len(data),)) + data  # int64 needs at most 9 bytes
 
 
-def _write(out: bytearray, v: _Value) -> None:
+def _write(out: bytearray, v: Value) -> None:
     # No BINGET ever: in real wrappers every str/bytes/tuple is a distinct object (shape
     # and stride come from tuple(...)), so pickle's identity memo never hits; the empty
     # tuple is a singleton but pickle does not memoize it.
@@ -125,7 +127,7 @@ def _write(out: bytearray, v: _Value) -> None:
         _write_str(out, v)
     elif isinstance(v, bytes):
         _write_bytes(out, v)
-    elif isinstance(v, _Global):
+    elif isinstance(v, Global):
         _write_str(out, v.module)
         _write_str(out, v.name)
         out += _STACK_GLOBAL + _MEMOIZE
@@ -145,7 +147,7 @@ def _write(out: bytearray, v: _Value) -> None:
         out += _MEMOIZE
 
 
-def _write_dict(out: bytearray, items: Sequence[tuple[str, _Value]]) -> None:
+def _write_dict(out: bytearray, items: Sequence[tuple[str, Value]]) -> None:
     out += _EMPTY_DICT + _MEMOIZE
     for start in range(0, len(items), _SETITEMS_BATCH):
         batch = items[start : start + _SETITEMS_BATCH]
@@ -159,3 +161,18 @@ def _write_dict(out: bytearray, items: Sequence[tuple[str, _Value]]) -> None:
                 _write_str(out, key)
                 _write(out, value)
             out += _SETITEMS
+
+
+def wrapper_pickle(module: str, qualname: str, items: Sequence[tuple[str, Value]]) -> bytes:
+    """The protocol-4 pickle of an instance of ``module.qualname`` whose ``__dict__`` is
+    ``items`` (validated values, in order): the shape in this module's docstring, one
+    frame."""
+    body = bytearray()
+    _write(body, Global(module, qualname))
+    body += _EMPTY_TUPLE + _NEWOBJ + _MEMOIZE
+    _write_dict(body, items)
+    body += _BUILD + _STOP
+    # Everything we emit is one frame (< 64 KiB; CPython only frames payloads of >= 4
+    # bytes and splits at 64 KiB). The frame length covers all that follows, STOP included.
+    assert 4 <= len(body) < _FRAME_SIZE_TARGET
+    return _PROTO + b"\x04" + _FRAME + struct.pack("<Q", len(body)) + bytes(body)

@@ -14,8 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidArgument, LMCacheMPError
-from .fields import _FIELD_TYPES, FieldSpec
+from ...errors import InvalidArgument, LMCacheMPError
+from .fields import FIELD_TYPES, FieldSpec
 
 #: Templates shipped in ``pickle_templates/`` (installed as ``lmcache_mp.pickle_templates``;
 #: file stem = name). A fixed list,
@@ -55,8 +55,8 @@ def _template_text(name: str) -> str:
         ref = resources.files("lmcache_mp.pickle_templates") / f"{name}.json"
         return ref.read_text(encoding="utf-8")
     except ModuleNotFoundError:
-        # lmcache_mp/pickling/templates.py -> the checkout's top level
-        checkout = Path(__file__).resolve().parent.parent.parent / "pickle_templates"
+        # lmcache_mp/protocol/pickles/templates.py: the checkout is three folders up
+        checkout = Path(__file__).resolve().parents[3] / "pickle_templates"
         path = checkout / f"{name}.json"
         if not path.is_file():
             raise LMCacheMPError(
@@ -93,7 +93,7 @@ def load_template(name: str) -> Template:
         fname, ftype = entry.get("name"), entry.get("type")
         if not (isinstance(fname, str) and _IDENT_RE.fullmatch(fname)):
             raise _template_error(name, f"bad field name {fname!r}")
-        if ftype not in _FIELD_TYPES:
+        if ftype not in FIELD_TYPES:
             raise _template_error(name, f"unknown field type {ftype!r}")
         const, same = entry.get("value"), entry.get("same_length_as")
         if (ftype == "const_str") != isinstance(const, str):
