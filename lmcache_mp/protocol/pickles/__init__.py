@@ -8,6 +8,6 @@ and one helper per wrapper class), over its parts, one job each:
 * :mod:`.templates`: the annotated wrapper-class templates (``pickle_templates/*.json``)
   and their loader.
 
-Callers use :mod:`.emitter`.
+Callers use :mod:`.emitter` (also importable as :mod:`lmcache_mp.pickle_emitter`).
 Nothing here imports the rest of :mod:`lmcache_mp.protocol`, lmcache or torch.
 """
