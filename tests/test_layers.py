@@ -40,9 +40,6 @@ INTEGRATIONS = f"{PKG}.integrations"
 #: Import circles that remain, each with why and what removes it. The test fails when
 #: one grows, changes or disappears (then delete it here).
 KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({f"{PKG}.ipc.cuda.cache", f"{PKG}.ipc.cuda.staging"}):
-        "the two trade export_or_local (cache imports it inside functions); issue 21 "
-        "moves the export logic to ipc/cuda/export.py",
     frozenset({f"{PKG}.session.registration", f"{PKG}.session.request",
                f"{PKG}.session.transfers"}):
         "type-checking back-references: transfers.py is Registration's body in another "

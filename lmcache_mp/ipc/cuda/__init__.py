@@ -5,10 +5,12 @@ or lmcache, and cuda-python only when a driver is first needed.
 
 * :mod:`.driver`: every CUDA call behind :class:`CudaDriver` (cuda-python's
   :class:`CudaBindingsDriver`, or a fake in tests), handle and UUID helpers;
-* :mod:`.export`: exporting one allocation, device/context and stream rules, the
-  per-transfer event;
+* :mod:`.export`: exporting one allocation (or keeping it local when CUDA IPC cannot
+  share it), device/context and stream rules, the per-transfer event;
 * :mod:`.cache`: :class:`CudaKVCache`, the :class:`~lmcache_mp.ipc.base.ExportableKVCache`
-  the client registers.
+  the client registers;
+* :mod:`.staging`: engine-driven copies between a :class:`CudaKVCache` and the
+  server's shared-memory pool (imported by the session only for such a copy).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from .export import (
     check_device_index,
     check_server_event,
     default_stream,
+    export_or_local,
     on_device,
     stream_handle,
 )
@@ -122,7 +123,6 @@ class CudaKVCache:
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
-        from .staging import export_or_local  # staging imports this module
         allocations: list[DeviceAllocation] = []
         with on_device(drv, device):
             try:
@@ -178,7 +178,6 @@ class CudaKVCache:
         device = check_device_index(device)
         wrapper = _check_wrapper(wrapper)
         drv = driver if driver is not None else get_driver()
-        from .staging import export_or_local  # staging imports this module
         with on_device(drv, device):
             exports: list[ExportedAllocation] = []
             for i, ptr in enumerate(ptrs):
@@ -330,7 +329,14 @@ class CudaKVCache:
         # there (docs/vllm.md): always say which. MLA has no head axis.
         return None if self.geometry.mla else self.geometry.layout
 
-    def _stream(self, stream: Any) -> int:
+    @property
+    def driver(self) -> CudaDriver:
+        """The driver every CUDA call of this cache goes through."""
+        return self._driver
+
+    def resolve_stream(self, stream: Any) -> int:
+        """The ``cudaStream_t`` value a transfer given ``stream`` runs on: ``None`` as in
+        the module docstring, else :func:`~lmcache_mp.ipc.cuda.export.stream_handle`."""
         return default_stream(self.device) if stream is None else stream_handle(stream)
 
     def begin_transfer(self, stream: Any) -> tuple[bytes, Any]:
@@ -341,7 +347,7 @@ class CudaKVCache:
         with on_device(drv, self.device):
             # Resolved here, on the device, and kept: the reply's wait must go on the
             # same stream even if the reply is handled on another thread.
-            handle_of_stream = self._stream(stream)
+            handle_of_stream = self.resolve_stream(stream)
             token = TransferEvent(drv, self.device, drv.event_create_ipc(), handle_of_stream)
             try:
                 drv.event_record(token.event, handle_of_stream)
@@ -362,7 +368,7 @@ class CudaKVCache:
                 if stream is None and isinstance(token, TransferEvent):
                     handle_of_stream = token.stream
                 else:
-                    handle_of_stream = self._stream(stream)
+                    handle_of_stream = self.resolve_stream(stream)
                 self._wait_server_event(handle, handle_of_stream)
                 if self.wait_host:
                     drv.stream_synchronize(handle_of_stream)
@@ -395,7 +401,7 @@ class CudaKVCache:
         """Block the host until ``stream`` (None: as for transfers) has done everything
         queued on it, including the waits on the server's copies."""
         with on_device(self._driver, self.device):
-            self._driver.stream_synchronize(self._stream(stream))
+            self._driver.stream_synchronize(self.resolve_stream(stream))
 
     # ------------------------------------------------------------ lifetime
     def unlink(self) -> None:

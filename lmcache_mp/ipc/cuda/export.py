@@ -7,7 +7,9 @@ maps at its base; :func:`export_allocation` records where the pointer sits in it
 ``raw`` form of LMCache 0.5.3 carries no offset, so its encoder refuses a non-zero
 one). Memory from CUDA VMM (``cuMemCreate``: PyTorch's ``expandable_segments:True``,
 cumem allocators), from a stream-ordered pool (``cudaMallocAsync``), managed or host
-memory cannot be exported with ``cudaIpcGetMemHandle`` and is refused, saying why.
+memory cannot be exported with ``cudaIpcGetMemHandle`` and is refused, saying why; the
+caches keep such device memory as a handle-less record for engine-driven transfers
+(:func:`export_or_local`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ __all__ = [
     "ExportedAllocation",
     "TransferEvent",
     "export_allocation",
+    "export_or_local",
+    "local_allocation",
     "on_device",
     "default_stream",
     "stream_handle",
@@ -213,6 +217,40 @@ def export_allocation(
     if device is None:
         device = drv.get_device()
     return ExportedAllocation(handle, ptr, base, size, device)
+
+
+# ------------------------------------------- memory CUDA IPC cannot export
+def export_or_local(drv: CudaDriver, ptr: int, nbytes: int, allow_offset: bool,
+                    vmm: bool = False) -> ExportedAllocation:
+    """A layer's CUDA IPC export (with ``vmm``, VMM memory's shareable-handle export);
+    for device memory neither can share (pools, Tegra, VMM without a shareable handle
+    type) a handle-less record instead, usable in engine-driven mode only."""
+    try:
+        return export_allocation(ptr, nbytes, driver=drv, allow_offset=allow_offset,
+                                 vmm=vmm)
+    except (InvalidArgument, CudaError) as exc:
+        return local_allocation(drv, ptr, nbytes, exc)
+
+
+def local_allocation(drv: CudaDriver, ptr: int, nbytes: int,
+                     failure: Exception) -> ExportedAllocation:
+    """A layer that ``export_allocation`` refused (``failure``), kept for engine-driven
+    transfers when it is device memory that only CUDA IPC cannot share: VMM or pool
+    memory, or a device where ``cudaIpcGetMemHandle`` is not supported (Tegra). Its
+    handle is empty. Anything else re-raises ``failure``."""
+    if drv.pointer_attribute(ptr, "MEMORY_TYPE") != CU_MEMORYTYPE_DEVICE:
+        raise failure
+    ipc_refused = isinstance(failure, CudaError) and failure.call == "cudaIpcGetMemHandle"
+    not_capable = drv.pointer_attribute(ptr, "IS_LEGACY_CUDA_IPC_CAPABLE") == 0 or bool(
+        drv.pointer_attribute(ptr, "MEMPOOL_HANDLE"))
+    if not (ipc_refused or not_capable):
+        raise failure
+    base, size = drv.address_range(ptr)
+    if ptr - base + nbytes > size:
+        raise failure
+    device = drv.pointer_device(ptr)
+    return ExportedAllocation(b"", ptr, base, size, drv.get_device() if device is None
+                              else device, local_reason=str(failure))
 
 
 # -------------------------------------------------------------- lifetimes

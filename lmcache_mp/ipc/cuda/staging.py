@@ -43,13 +43,11 @@ from ...errors import InvalidArgument
 from ..base import ExportableKVCache, KVGeometry
 from ..paged_copy import block_runs
 from .cache import CudaKVCache
-from .driver import CU_MEMORYTYPE_DEVICE, CudaDriver, CudaError
-from .export import ExportedAllocation, export_allocation, on_device
+from .driver import CudaDriver, CudaError
+from .export import on_device
 
 __all__ = ["CopyDriver", "CopyPlan", "store_plan", "retrieve_plan", "run_plan",
-           "device_copy_into_slots", "device_copy_from_slots", "export_or_local",
-           "local_allocation",
-           "pinned_pools", "unpin"]
+           "device_copy_into_slots", "device_copy_from_slots", "pinned_pools", "unpin"]
 
 log = logging.getLogger("lmcache_mp")
 
@@ -294,8 +292,8 @@ def _cache_parts(cache: ExportableKVCache, stream: Any) -> tuple[CudaKVCache, Co
                               f"{type(cache).__name__}")
     if cache.closed:
         raise InvalidArgument("this CudaKVCache is closed; allocate a new one")
-    drv: Any = cache._driver
-    return cache, drv, cache._stream(stream)
+    drv: Any = cache.driver
+    return cache, drv, cache.resolve_stream(stream)
 
 
 def device_copy_into_slots(cache: ExportableKVCache, ids: np.ndarray, targets: Sequence[np.ndarray],
@@ -324,38 +322,3 @@ def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: S
         _ensure_pinned(drv, cuda.device, pool_view)
         run_plan(drv, plan, handle)
         drv.stream_synchronize(handle)
-
-
-# ------------------------------------- memory CUDA IPC cannot export
-def export_or_local(drv: CudaDriver, ptr: int, nbytes: int, allow_offset: bool,
-                    vmm: bool = False) -> ExportedAllocation:
-    """A layer's CUDA IPC export (with ``vmm``, VMM memory's shareable-handle export);
-    for device memory neither can share (pools, Tegra, VMM without a shareable handle
-    type) a handle-less record instead, usable in engine-driven mode only."""
-    try:
-        return export_allocation(ptr, nbytes, driver=drv, allow_offset=allow_offset,
-                                 vmm=vmm)
-    except (InvalidArgument, CudaError) as exc:
-        return local_allocation(drv, ptr, nbytes, exc)
-
-
-def local_allocation(drv: CudaDriver, ptr: int, nbytes: int,
-                     failure: Exception) -> ExportedAllocation:
-    """A layer that ``export_allocation`` refused (``failure``), kept for engine-driven
-    transfers when it is device memory that only CUDA IPC cannot share: VMM or pool
-    memory, or a device where ``cudaIpcGetMemHandle`` is not supported (Tegra). Its
-    handle is empty. Anything else re-raises ``failure``."""
-    if drv.pointer_attribute(ptr, "MEMORY_TYPE") != CU_MEMORYTYPE_DEVICE:
-        raise failure
-    ipc_refused = isinstance(failure, CudaError) and failure.call == "cudaIpcGetMemHandle"
-    not_capable = drv.pointer_attribute(ptr, "IS_LEGACY_CUDA_IPC_CAPABLE") == 0 or bool(
-        drv.pointer_attribute(ptr, "MEMPOOL_HANDLE"))
-    if not (ipc_refused or not_capable):
-        raise failure
-    base, size = drv.address_range(ptr)
-    if ptr - base + nbytes > size:
-        raise failure
-    device = drv.pointer_device(ptr)
-    return ExportedAllocation(b"", ptr, base, size, drv.get_device() if device is None
-                              else device, local_reason=str(failure))
-
