@@ -821,7 +821,7 @@ def test_a_transfer_checked_on_a_connection_that_then_changed_is_sent_again_regi
     fake.slot_geometry = slot(kv, 0)
     with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=3) as c:
         reg = c.register(kv, model_name="m", mode=mode)  # type: ignore[arg-type]
-        stale = reg._binding
+        stale = reg._state.binding
         checked = reg._bound
 
         def bound_once_stale(deadline: float) -> Any:

@@ -23,7 +23,6 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from ..checks import is_int
@@ -39,9 +38,10 @@ from ..protocol.types import (
 )
 from ..transport import ReplyFuture, blocking
 from . import transfers
+from .binding import Binding, BindingEvent, BindingState
 from .blocks import BlockIds, TransferLayout, normalize_block_ids
 from .connection import Connection
-from .engine_driven import NO_POOL_HELP, Pool, PoolMaps
+from .engine_driven import NO_POOL_HELP, PoolMaps
 from .transfers import remaining, unsent, within
 
 if TYPE_CHECKING:
@@ -59,16 +59,6 @@ Mode = Literal["lmcache", "engine"]
 #: (lmcache/v1/gpu_connector/kv_format/detectors/vllm.py forces it when the torch
 #: device is the CPU; 0.5.5 honours the hint).
 HND_ONLY_RELEASES = frozenset({"0.5.3", "0.5.4"})
-
-
-@dataclass(frozen=True)
-class Binding:
-    """What one (re-)registration established: the connection it was made on and, for
-    engine-driven registrations, the server's pool as mapped here."""
-
-    epoch: int
-    pool: Pool | None = None
-    pool_info: RegisterEngineDrivenContextResponse | None = None
 
 
 class RegistrationOwner(Protocol):
@@ -100,9 +90,9 @@ class Registration:
         self.mode: Mode = mode
         self.layout = layout
         self.worker_id = worker_id
-        self._binding: Binding | None = None
-        self._last_refresh = 0.0
-        self._suspect = False  # a heartbeat failed: the server may have lost us
+        # Its binding to the server (see lmcache_mp.session.binding): every move of
+        # it goes through the state's transitions table.
+        self._state = BindingState(owner.stale_after)
         self._recover_lock = threading.Lock()
         self._requests: weakref.WeakSet[Request] = weakref.WeakSet()
         #: How many times this registration was re-sent on its own (restart, reap).
@@ -137,12 +127,12 @@ class Registration:
 
     @property
     def registered(self) -> bool:
-        return self._binding is not None
+        return self._state.binding is not None
 
     @property
     def pool_info(self) -> RegisterEngineDrivenContextResponse | None:
         """Where the server's L1 pool is (engine-driven mode), as it last answered."""
-        b = self._binding
+        b = self._state.binding
         return None if b is None else b.pool_info
 
     def __repr__(self) -> str:
@@ -203,7 +193,7 @@ class Registration:
                 self.mode = "lmcache"
             sent_at = time.monotonic()
             binding = self._register_on_server(deadline)
-        self._bind(binding, sent_at)
+        self._state.registered(binding, sent_at)
 
     def _establish_engine_only(self, deadline: float) -> None:
         """The first REGISTER of a cache that only engine-driven transfers can move (a GPU
@@ -217,7 +207,7 @@ class Registration:
                 "transfers can move it, and the server offers no engine-driven handler or "
                 "no shared-memory L1 pool: start it with --supported-transfer-mode auto "
                 "--shm-name NAME (the name is needed from 0.5.4) --no-l1-use-lazy")
-        self._bind(binding, sent_at)
+        self._state.registered(binding, sent_at)
 
     def _try_engine_driven(self, deadline: float) -> Binding | None:
         conn = self._conn
@@ -263,44 +253,45 @@ class Registration:
         pool = self._owner.pools.acquire(info.shm_name, info.pool_size, epoch)
         return Binding(epoch, pool, info)
 
-    def _bind(self, binding: Binding, sent_at: float) -> None:
-        """Called once the server confirmed ``binding`` (initial or recovery)."""
-        old, self._binding = self._binding, binding
-        self._last_refresh = sent_at
-        self._suspect = False
-        if old is not None:
-            self._owner.pools.release(old.pool)
-
     def _bound(self, deadline: float) -> Binding:
-        """The current binding, registering again first if the server may have lost it."""
-        b = self._binding
+        """The current binding, registering again first unless it is fresh."""
+        state = self._state
+        b = state.binding
+        if state.fresh(self._conn.transport.refresh()):
+            assert b is not None
+            return b
         if b is None:
             raise InvalidArgument(
                 f"instance {self.instance_id} is unregistered; register the cache again")
-        epoch = self._conn.transport.refresh()
-        if (b.epoch == epoch and not self._suspect
-                and time.monotonic() - self._last_refresh < self._owner.stale_after):
-            return b
         return self._recover(deadline, b)
 
     def _recover(self, deadline: float, seen: Binding) -> Binding:
-        restarted = False
+        """Register again (unless another thread did meanwhile): a renewal if the binding
+        was only silent too long, a re-registration if the server may have lost it."""
+        state = self._state
         with within(self._recover_lock, deadline, f"re-registering instance {self.instance_id}"):
-            b = self._binding
+            b = state.binding
             if b is None:
                 raise InvalidArgument(
                     f"instance {self.instance_id} was unregistered while a transfer waited")
             if b is not seen:
                 return b  # another thread re-registered meanwhile
-            restarted = b.epoch != self._conn.transport.epoch or self._suspect
-            chunk = self._conn.chunk_size(unsent(deadline, "GET_CHUNK_SIZE"))
-            if chunk != self.chunk_size:
-                raise ProtocolMismatch(
-                    f"the server now uses chunk size {chunk}, but instance {self.instance_id} "
-                    f"was registered with {self.chunk_size}: register the cache again")
-            sent_at = time.monotonic()
-            new = self._register_on_server(deadline)
-            self._bind(new, sent_at)
+            restarted = state.begin_again(self._conn.transport.epoch)
+            try:
+                chunk = self._conn.chunk_size(unsent(deadline, "GET_CHUNK_SIZE"))
+                if chunk != self.chunk_size:
+                    raise ProtocolMismatch(
+                        f"the server now uses chunk size {chunk}, but instance "
+                        f"{self.instance_id} was registered with {self.chunk_size}: register "
+                        f"the cache again")
+                sent_at = time.monotonic()
+                new = self._register_on_server(deadline)
+            except BaseException:
+                state.fire(BindingEvent.RE_REGISTER_FAILED)
+                raise
+            old = state.registered_again(new, sent_at)
+            if old is not None:
+                self._owner.pools.release(old.pool)
             self.recoveries += 1
         log.info("lmcache_mp: re-registered instance %d (%s)", self.instance_id,
                  "new connection or failed heartbeat" if restarted else "silent too long")
@@ -309,28 +300,27 @@ class Registration:
         return new
 
     def _keep_alive(self, seconds: float) -> None:
-        """One heartbeat: register again if needed, else PING(instance_id)."""
+        """One heartbeat: register again unless the binding is fresh, else
+        PING(instance_id)."""
         deadline = time.monotonic() + seconds
-        b = self._binding
+        state = self._state
+        b = state.binding
         if b is None:
             return
-        epoch = self._conn.transport.refresh()
-        if (b.epoch != epoch or self._suspect
-                or time.monotonic() - self._last_refresh >= self._owner.stale_after):
+        if not state.fresh(self._conn.transport.refresh()):
             self._recover(deadline, b)
             return
         sent_at = time.monotonic()
         try:
             self._conn.call("PING", (self.instance_id,), seconds)
         except LMCacheMPError:
-            self._suspect = True
+            state.fire(BindingEvent.HEARTBEAT_FAILED)
             raise
-        self._touch(sent_at)
+        state.touch(sent_at)
 
     def _touch(self, sent_at: float) -> None:
         # The server refreshed its timer when it handled a request sent at sent_at.
-        if sent_at > self._last_refresh:
-            self._last_refresh = sent_at
+        self._state.touch(sent_at)
 
     # -------------------------------------------------------------- requests
     def request(
@@ -408,7 +398,7 @@ class Registration:
     retrieve = blocking(retrieve_async)
 
     def _checked(self, key: CacheKey, block_ids: BlockIds, op: str) -> list[list[int]]:
-        if self._binding is None:
+        if self._state.binding is None:
             raise InvalidArgument(
                 f"{op}: instance {self.instance_id} is unregistered; register the cache again")
         self.layout.check_key(key, op)
@@ -428,7 +418,7 @@ class Registration:
         # Under the recovery lock: a re-registration in progress finishes first, and
         # none can bring this registration back afterwards (no ghost on the server).
         with self._recover_lock:
-            b, self._binding = self._binding, None
+            b = self._state.unregistered()
         if b is None:
             return
         self._owner.discard(self)

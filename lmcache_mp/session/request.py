@@ -103,7 +103,7 @@ class Request:
     lookup = blocking(lookup_async)
 
     def _took_locks(self, hits: int) -> int:
-        binding = self._reg._binding
+        binding = self._reg._state.binding
         epoch = -1 if binding is None else binding.epoch
         with self._lock:
             if epoch != self._lock_epoch:  # locks of an earlier server are gone
@@ -158,7 +158,7 @@ class Request:
             locks, self._locks = self._locks, [0] * len(self._locks)
             lock_epoch = self._lock_epoch
         reg = self._reg
-        binding = reg._binding
+        binding = reg._state.binding
         if binding is None or not self._used:
             return  # unregistered: the server would not answer for this model any more
         conn = reg._conn
