@@ -204,7 +204,7 @@ class Transport:
     def _drain_monitor_locked(self) -> int:
         monitor = self._monitor
         n = 0
-        while monitor.get(_EVENTS) & _POLLIN:
+        while int(monitor.get(_EVENTS)) & _POLLIN:
             self._on_monitor_event_locked(monitor_event(monitor.recv_multipart(_NOBLOCK)))
             n += 1
         return n
@@ -272,7 +272,7 @@ class Transport:
         sock = self._sock
         get = sock.get
         pending = self._pending
-        while get(_EVENTS) & _POLLIN:
+        while int(get(_EVENTS)) & _POLLIN:
             msg = sock.recv_multipart(_NOBLOCK)
             req = pending.pop(msg[0], None)
             if req is not None:  # else: a late reply to a request that timed out
