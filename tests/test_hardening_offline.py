@@ -45,6 +45,7 @@ from lmcache_mp.ipc import shm
 from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR, sweep_dead_segments
 from lmcache_mp.transport import MAX_REPLY_BYTES
 
+from .conftest import free_port
 from .fake_server import FakeServer, slot_geometry
 from .live_helpers import our_segments
 
@@ -559,20 +560,21 @@ def test_remote_hosts_need_allow_remote(url: str) -> None:
     Client(url, allow_remote=True, heartbeat_interval=None).close()
 
 
-@pytest.mark.parametrize("url", ["tcp://127.0.0.1:5555", "tcp://127.8.9.10:5555",
-                                 "tcp://localhost:5555", "tcp://[::1]:5555",
-                                 "tcp://0.0.0.0:5555", "ipc:///tmp/lmcache-mp-test.sock",
-                                 "ipc://@abstract-name"])
-def test_loopback_and_ipc_urls_are_accepted(url: str) -> None:
-    Client(url, heartbeat_interval=None).close()
-
-
-def test_an_ipc_server_is_reached(tmp_path: Any) -> None:
-    path = f"ipc://{tmp_path}/server.sock"
+@pytest.mark.parametrize("url", ["tcp://127.0.0.1:{port}", "tcp://127.8.9.10:{port}",
+                                 "tcp://localhost:{port}", "tcp://[::1]:{port}",
+                                 "tcp://0.0.0.0:{port}", "ipc://{tmp}/server.sock",
+                                 "ipc://@lmcache-mp-test-{pid}"])
+def test_loopback_and_ipc_urls_are_accepted_and_reached(url: str, tmp_path: Any) -> None:
+    """Each form of a local address is accepted without allow_remote, and the client
+    then reaches a server listening there (a NOOP answered)."""
+    url = url.format(port=free_port(), tmp=tmp_path, pid=os.getpid())
+    bind = url.replace("localhost", "127.0.0.1")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    router.bind(path)
+    router.setsockopt(zmq.IPV6, 1)
+    router.bind(bind)
+
     def serve() -> None:
         if router.poll(3000):
             ident, uid, typ = router.recv_multipart()
@@ -582,7 +584,7 @@ def test_an_ipc_server_is_reached(tmp_path: Any) -> None:
     th = threading.Thread(target=serve)
     th.start()
     try:
-        with Client(path, protocol="0.5.3", heartbeat_interval=None) as c:
+        with Client(url, protocol="0.5.3", heartbeat_interval=None, timeout=2.0) as c:
             assert c.noop() == "OK"
     finally:
         th.join()

@@ -114,12 +114,18 @@ def test_end_session_and_clear_are_acknowledged(client: Client) -> None:
 
 
 def test_report_block_allocation(client: Client) -> None:
-    client.report_block_allocation(
+    # The server acknowledges a report with an empty reply (None), records or not.
+    assert client.report_block_allocation(
         7, "live-model",
         [BlockAllocationRecord("r1", [3, 4], [9, 10]), {"req_id": "r2", "new_block_ids": [],
                                                        "new_token_ids": []}],
-    )
-    client.report_block_allocation(7, "live-model", [])
+    ) is None
+    assert client.report_block_allocation(7, "live-model", []) is None
+    # A record it could not decode would be dropped without a reply: refused here.
+    with pytest.raises(InvalidArgument, match="req_id|new_block_ids"):
+        client.report_block_allocation(7, "live-model", [{"req_id": 5, "new_block_ids": [],
+                                                         "new_token_ids": []}])
+    assert client.noop() == "OK"
 
 
 def test_pipelined_futures_complete_in_any_order(client: Client) -> None:

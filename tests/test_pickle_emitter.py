@@ -197,12 +197,27 @@ GOOD_RAW: dict[str, Any] = {
 GOOD_IPC_HANDLE = (0, b"\x03c" + HANDLE, 4096, 0, b"/torch_1_2_3", 0, bytes(64), False)
 
 
-def test_good_values_pass() -> None:
-    emit_cpu_shm_wrapper(**GOOD_CPU)
-    emit_raw_cuda_wrapper(**GOOD_RAW)
-    emit_cuda_ipc_wrapper(handle=GOOD_IPC_HANDLE, dtype="float16", shape=(2,), stride=(1,),
-                          device_uuid=UUID)
-    emit_cpu_shm_wrapper(**{**GOOD_CPU, "shm_name": "/" + "a" * 250})
+def after(data: bytes, name: str) -> Any:
+    """The argument of the opcode that follows the field name ``name`` in a pickle's
+    disassembly (read with pickletools, never unpickled): the field's value."""
+    args = [arg for op, arg, _ in pickletools.genops(data) if op.name != "MEMOIZE"]
+    return args[args.index(name) + 1]
+
+
+def test_good_values_pass_and_land_in_their_fields() -> None:
+    cpu = emit_cpu_shm_wrapper(**GOOD_CPU)
+    assert (after(cpu, "shm_name"), after(cpu, "nbytes")) == ("/lmcache_kv_1_0", 64)
+    assert after(cpu, "torch") == "float16" and after(cpu, "storage_offset") == 0
+    raw = emit_raw_cuda_wrapper(**GOOD_RAW)
+    assert after(raw, "_ipc_handle_reserved") == HANDLE and after(raw, "device_uuid") == UUID
+    assert after(raw, "torch") == "bfloat16" and after(raw, "_nbytes") == 64
+    ipc = emit_cuda_ipc_wrapper(handle=GOOD_IPC_HANDLE, dtype="float16", shape=(2,),
+                                stride=(1,), device_uuid=UUID)
+    assert b"/torch_1_2_3" in ipc and b"\x03c" + HANDLE in ipc
+    assert after(ipc, "device_uuid") == UUID
+    long_name = "/" + "a" * 250  # over 255 bytes with its opcode: BINUNICODE, not SHORT_
+    assert after(emit_cpu_shm_wrapper(**{**GOOD_CPU, "shm_name": long_name}),
+                 "shm_name") == long_name
 
 
 BAD_CPU = [
