@@ -106,7 +106,8 @@ def main() -> int:
             lo = FIRST_PORT + slot * PORTS_PER_JOB
             log = LOGS / f"{job.name}.log"
             env = {**os.environ, **job.env, "LMCACHE_MP_PORT_RANGE": f"{lo}:{lo + PORTS_PER_JOB}"}
-            cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "-p", "no:cacheprovider",
+            cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "--durations=10",
+                   "-p", "no:cacheprovider",
                    *job.args, *opts.pytest_args]
             with open(log, "wb") as out:
                 proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,
