@@ -8,14 +8,22 @@ module that needs another only to type-check still knows about it. Importing a
 submodule also runs its parent package's ``__init__``; that implicit arrow is not
 drawn (every module would then depend on ``lmcache_mp/__init__``, the public API).
 
-The rules (issue 21):
+The layers, bottom up: ``protocol/`` (sans-I/O: operations, wire forms, the hasher,
+the wrapper pickles), ``ipc/`` (memory) and ``transport/`` (frames over ZMQ) side by
+side; the session (``session/`` and ``client.py``) on all three; ``cli/`` and
+``integrations/`` above it. The modules at the top level (``errors``, ``checks``,
+``keys``, ``layer_exports``) serve every layer. The rules (issue 21):
 
-* ``transport/`` imports nothing from ``protocol/``, ``ipc/``, the session modules or
-  the layers above them (it sends frames and knows no operation or memory);
-* ``ipc/`` never imports ``protocol/``, ``transport/``, the session modules or above;
+* ``transport/`` imports nothing from ``protocol/``, ``ipc/``, the session or the
+  layers above it (it sends frames and knows no operation or memory);
+* ``ipc/`` never imports ``protocol/``, ``transport/``, the session or above;
 * ``protocol/`` imports none of those either, nor ``zmq``, ``threading`` or ``socket``
   (it is sans-I/O);
-* no import circles among the modules, but the ones listed in :data:`KNOWN_CIRCLES`.
+* the session imports neither ``cli/`` nor ``integrations/``;
+* no import circles among the modules, but the ones listed in :data:`KNOWN_CIRCLES`;
+* no module imports another module's underscore names, and none finds a module of
+  the package through ``sys.modules`` (an arrow the imports would not show); only
+  :data:`SYS_MODULES_ALLOWED` look there, for other packages.
 
 Each layer rule follows arrows transitively: a module the layer imports (``errors``,
 ``checks``, ``layer_exports``, ...) must keep the rule as well, and a failure names the
@@ -31,11 +39,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PKG = "lmcache_mp"
 
+PROTOCOL, IPC, TRANSPORT = f"{PKG}.protocol", f"{PKG}.ipc", f"{PKG}.transport"
 #: The session layer: the ``session/`` package, and the client built on it.
-SESSION_PACKAGES = (f"{PKG}.session", f"{PKG}.client")
+SESSION = (f"{PKG}.session", f"{PKG}.client")
 # Above the session: the command line and the integrations (vLLM), packages.
 CLI = f"{PKG}.cli"
 INTEGRATIONS = f"{PKG}.integrations"
+ABOVE_SESSION = (CLI, INTEGRATIONS)
+
+#: The modules that may read ``sys.modules``, and why: never to find a module of ours.
+SYS_MODULES_ALLOWED: dict[str, str] = {
+    f"{PKG}.ipc.cuda.export": "default_stream asks whether torch is loaded without "
+                              "importing it",
+}
 
 #: Import circles that remain, each with why and what removes it. The test fails when
 #: one grows, changes or disappears (then delete it here).
@@ -60,9 +76,7 @@ def modules() -> dict[str, Path]:
 
 
 MODULES = modules()
-SESSION = frozenset(m for m in MODULES
-                    if any(m == p or m.startswith(p + ".") for p in SESSION_PACKAGES))
-ABOVE = frozenset(m for m in MODULES if m == CLI or m.startswith(CLI + "."))
+TREES = {m: ast.parse(path.read_text(), str(path)) for m, path in MODULES.items()}
 
 
 def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
@@ -94,10 +108,9 @@ def _origin(module: str, node: ast.ImportFrom) -> str:
 def imports_of(module: str) -> tuple[set[str], set[str]]:
     """(modules of the package, top-level names of other packages) that ``module``
     imports."""
-    path = MODULES[module]
     inside: set[str] = set()
     outside: set[str] = set()
-    for node in _imports(ast.parse(path.read_text(), str(path))):
+    for node in _imports(TREES[module]):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -140,17 +153,19 @@ def in_any(module: str, packages: Iterable[str]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-def violations(layer: str, forbidden_packages: Iterable[str],
+def violations(layer: Iterable[str], forbidden_packages: Iterable[str],
                forbidden_external: Iterable[str] = ()) -> list[str]:
-    """What ``layer``'s modules reach that they must not, one line per chain."""
+    """What the modules of ``layer`` (packages or modules) reach that they must not
+    (modules of ``forbidden_packages``, top-level packages ``forbidden_external``), one
+    line per chain."""
     packages = list(forbidden_packages)
 
     def forbidden(module: str) -> bool:
-        return module in SESSION or module in ABOVE or in_any(module, packages)
+        return in_any(module, packages)
 
     # The offending arrow -> the shortest chain from the layer that takes it.
     found: dict[tuple[str, str], list[str]] = {}
-    for module in under(layer):
+    for module in (m for package in layer for m in under(package)):
         for chain in chains(module):
             if any(forbidden(m) for m in chain[1:-1]):
                 continue  # reported where the chain first enters forbidden ground
@@ -185,20 +200,35 @@ def test_the_graph_sees_the_package() -> None:
     assert f"{PKG}.protocol.pickles.emitter" in GRAPH[f"{PKG}.protocol.wrappers"][0]  # in a function
 
 
+def test_every_module_is_in_a_layer_or_serves_them_all() -> None:
+    # A new top-level module is a decision: which layer it belongs to, or that every
+    # layer may use it (then the layer rules check what it imports, transitively).
+    shared = {f"{PKG}.{m}" for m in ("errors", "checks", "keys", "layer_exports",
+                                     "hashing", "pickle_emitter")}  # the last two: shims
+    layers = [PROTOCOL, IPC, TRANSPORT, *SESSION, *ABOVE_SESSION]
+    stray = sorted(m for m in MODULES if m != PKG and m not in shared and not in_any(m, layers))
+    assert not stray, f"modules in no layer: {stray}"
+
+
 def test_transport_knows_no_protocol_memory_or_session() -> None:
-    bad = violations(f"{PKG}.transport", [f"{PKG}.protocol", f"{PKG}.ipc", INTEGRATIONS])
+    bad = violations([TRANSPORT], [PROTOCOL, IPC, *SESSION, *ABOVE_SESSION])
     assert not bad, "transport/ imports what it must not:" + _dump(bad)
 
 
 def test_ipc_knows_no_protocol_transport_or_session() -> None:
-    bad = violations(f"{PKG}.ipc", [f"{PKG}.protocol", f"{PKG}.transport", INTEGRATIONS])
+    bad = violations([IPC], [PROTOCOL, TRANSPORT, *SESSION, *ABOVE_SESSION])
     assert not bad, "ipc/ imports what it must not:" + _dump(bad)
 
 
 def test_protocol_is_sans_io_and_knows_no_memory_transport_or_session() -> None:
-    bad = violations(f"{PKG}.protocol", [f"{PKG}.ipc", f"{PKG}.transport", INTEGRATIONS],
+    bad = violations([PROTOCOL], [IPC, TRANSPORT, *SESSION, *ABOVE_SESSION],
                      forbidden_external=("zmq", "threading", "socket"))
     assert not bad, "protocol/ imports what it must not:" + _dump(bad)
+
+
+def test_session_knows_nothing_above_it() -> None:
+    bad = violations(SESSION, ABOVE_SESSION)
+    assert not bad, "the session imports what it must not:" + _dump(bad)
 
 
 def circles() -> list[frozenset[str]]:
@@ -248,23 +278,67 @@ def test_no_import_circles_but_the_known_ones() -> None:
     assert not gone, f"these circles are gone: delete them from KNOWN_CIRCLES: {gone}"
 
 
-def test_transport_shares_no_private_names() -> None:
-    """transport/'s modules each own their state: no underscore name is imported into
-    or out of one of them, and none finds a module through ``sys.modules``."""
-    transport = f"{PKG}.transport"
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """Each module owns its underscore names: ``from .x import _y`` (or ``import
+    lmcache_mp.x._y``) across modules of the package is refused; make the name public,
+    or move the code to the module that owns the state."""
     bad = []
-    for module, path in MODULES.items():
-        tree = ast.parse(path.read_text(), str(path))
+    for module, tree in TREES.items():
         for node in _imports(tree):
-            if not isinstance(node, ast.ImportFrom):
-                continue
-            origin = _in_package(_origin(module, node)) or ""
-            private = [a.name for a in node.names
-                       if a.name.startswith("_") and not a.name.startswith("__")]
-            if private and (in_any(module, [transport]) or in_any(origin, [transport])):
-                bad.append(f"{module} imports {private} from {origin} (line {node.lineno})")
-        if in_any(module, [transport]):
-            bad += [f"{module} looks up sys.modules (line {n.lineno})" for n in ast.walk(tree)
-                    if isinstance(n, ast.Attribute) and n.attr == "modules"
-                    and isinstance(n.value, ast.Name) and n.value.id == "sys"]
-    assert not bad, "private names cross transport/'s modules:" + _dump(bad)
+            if isinstance(node, ast.ImportFrom):
+                origin = _origin(module, node)
+                if _in_package(origin) is None:
+                    continue  # another package's names
+                private = [a.name for a in node.names if _private(a.name)]
+            else:
+                private = [a.name for a in node.names if a.name.split(".")[0] == PKG
+                           and any(_private(part) for part in a.name.split("."))]
+                origin = ""
+            if private:
+                bad.append(f"{module} imports {private}{f' from {origin}' if origin else ''} "
+                           f"(line {node.lineno})")
+    assert not bad, "private names cross modules:" + _dump(bad)
+
+
+def _sys_modules_reads(tree: ast.AST) -> list[int]:
+    lines = [n.lineno for n in ast.walk(tree)
+             if isinstance(n, ast.Attribute) and n.attr == "modules"
+             and isinstance(n.value, ast.Name) and n.value.id == "sys"]
+    lines += [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+              and n.module == "sys" and any(a.name == "modules" for a in n.names)]
+    return sorted(lines)
+
+
+def test_no_module_finds_modules_through_sys_modules() -> None:
+    """A module that needs another imports it (lazily, inside a function, if it must):
+    a ``sys.modules`` lookup is an arrow the graph cannot see."""
+    found = {m: _sys_modules_reads(t) for m, t in TREES.items()}
+    bad = [f"{m} reads sys.modules (lines {lines})" for m, lines in sorted(found.items())
+           if lines and m not in SYS_MODULES_ALLOWED]
+    assert not bad, "sys.modules lookups:" + _dump(bad)
+    unused = sorted(m for m in SYS_MODULES_ALLOWED if not found.get(m))
+    assert not unused, f"no longer read sys.modules: delete them from SYS_MODULES_ALLOWED: {unused}"
+
+
+def test_private_attributes_are_written_by_their_class() -> None:
+    """``obj._x = ...`` outside a class body is a function that belongs as a method of
+    ``obj``'s class: the class that owns the state is the one that changes it."""
+    bad = []
+    for module, tree in TREES.items():
+        in_class: set[ast.AST] = set()
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            in_class.update(ast.walk(cls))
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+                       else [])
+            for t in targets:
+                if (isinstance(t, ast.Attribute) and _private(t.attr)
+                        and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))
+                        and node not in in_class):
+                    bad.append(f"{module} writes {ast.unparse(t)} (line {node.lineno})")
+    assert not bad, "private attributes written from outside their class:" + _dump(bad)

@@ -36,7 +36,7 @@ from ..errors import ProtocolMismatch, RequestTimeout
 from .v0_5_5 import CacheKeyV055
 from .v0_5_7 import CacheKeyV057
 
-__all__ = ["Detection", "detect", "Exchange"]
+__all__ = ["Detection", "detect", "Exchange", "unregister_unknown"]
 
 # (name, frames after the uid); a reply is its frames after the uid, or None.
 Exchange = Callable[[Sequence[tuple[str, list[bytes]]], str, float], Mapping[str, "list[bytes] | None"]]
@@ -66,8 +66,10 @@ class Detection:
     evidence: tuple[str, ...]
 
 
-def _unregister_unknown() -> list[bytes]:
-    # A random instance id >= 2**48 that no worker uses: unregistering it is a no-op.
+def unregister_unknown() -> list[bytes]:
+    """The frames of an UNREGISTER of a random instance id >= 2**48 that no worker uses:
+    a no-op every release answers. Detection's first and last probe; the connection
+    also hands it to the transport as the probe of a server that went silent."""
     return [_enc(2), _enc(2**48 + secrets.randbelow(2**60))]
 
 
@@ -86,8 +88,8 @@ def detect(exchange: Exchange, url: str, timeout: float = 2.0, grace: float = 0.
     """Run the probe over ``exchange``; raise ProtocolMismatch for an unsupported or
     unidentifiable server and RequestTimeout for one that does not answer at all."""
     first = exchange(
-        [("alive", _unregister_unknown()), ("id21", [_enc(21)]), ("id32", [_enc(32)]),
-         ("fence", _unregister_unknown())],
+        [("alive", unregister_unknown()), ("id21", [_enc(21)]), ("id32", [_enc(32)]),
+         ("fence", unregister_unknown())],
         "fence", timeout,
     )
     if first.get("alive") is None and first.get("fence") is None:

@@ -24,8 +24,7 @@ from ..errors import (
 )
 from ..keys import CacheKey
 from ..protocol import Profile, decode_reply, encode_request, get_profile
-from ..protocol.detect import Detection, detect
-from ..protocol.detect import _unregister_unknown as unregister_unknown
+from ..protocol.detect import Detection, detect, unregister_unknown
 from ..protocol.operations import Operation
 from ..transport import PendingRequest, ReplyFuture, Transport
 

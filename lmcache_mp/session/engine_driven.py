@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import math
 import mmap
-import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -50,12 +49,38 @@ class Pool:
     view: np.ndarray = field(repr=False, compare=False)
     #: Maps the pool's pages here ahead of a CPU copy (shared by every user of the map).
     pages: PageMapper | None = field(default=None, repr=False, compare=False)
+    #: Called with :attr:`view` before the mapping is closed (shared by every user of
+    #: the map): a GPU copy that page-locked the pool adds the unlocking here.
+    before_unmap: set[Callable[[np.ndarray], None]] = field(
+        default_factory=set, repr=False, compare=False)
 
     def prepare(self, slots: Sequence[PoolSlot]) -> None:
         """Map the pages of ``slots`` in bulk before a copy touches them."""
         if self.pages is not None:
             for slot in slots:
                 self.pages.prepare(slot.offset, slot.length)
+
+
+@dataclass
+class _Mapping:
+    """One mapping of a server pool, shared by every :class:`Pool` made from it."""
+
+    mapping: mmap.mmap
+    view: np.ndarray
+    pages: PageMapper
+    users: int = 0
+    before_unmap: set[Callable[[np.ndarray], None]] = field(default_factory=set)
+
+    def pool(self, name: str, size: int, epoch: int) -> Pool:
+        return Pool(name, size, epoch, self.view, self.pages, self.before_unmap)
+
+    def unmap(self) -> None:
+        for hook in list(self.before_unmap):
+            hook(self.view)
+        try:
+            self.mapping.close()
+        except BufferError:
+            pass  # a copy still holds a view: the mapping goes with the last one
 
 
 class PoolMaps:
@@ -68,8 +93,7 @@ class PoolMaps:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        # (name, epoch) -> [mapping, view, users, page mapper]
-        self._maps: dict[tuple[str, int], tuple[mmap.mmap, np.ndarray, int, PageMapper]] = {}
+        self._maps: dict[tuple[str, int], _Mapping] = {}  # by (name, epoch)
         self._workers: CopyWorkers | None = None
 
     @property
@@ -86,13 +110,14 @@ class PoolMaps:
         with self._lock:
             key = (name, epoch)
             entry = self._maps.get(key)
-            if entry is None or entry[1].size < size:
+            if entry is None or entry.view.size < size:
                 import numpy as np
 
                 pool = map_existing(name, size)
-                entry = (pool, np.frombuffer(pool, dtype=np.uint8), 0, PageMapper(pool, size))
-            self._maps[key] = (entry[0], entry[1], entry[2] + 1, entry[3])
-            return Pool(name, size, epoch, entry[1], entry[3])
+                entry = self._maps[key] = _Mapping(pool, np.frombuffer(pool, dtype=np.uint8),
+                                                   PageMapper(pool, size))
+            entry.users += 1
+            return entry.pool(name, size, epoch)
 
     def release(self, pool: Pool | None) -> None:
         if pool is None:
@@ -100,13 +125,13 @@ class PoolMaps:
         key = (pool.name, pool.epoch)
         with self._lock:
             entry = self._maps.get(key)
-            if entry is None or entry[1] is not pool.view:
+            if entry is None or entry.view is not pool.view:
                 return
-            if entry[2] > 1:
-                self._maps[key] = (entry[0], entry[1], entry[2] - 1, entry[3])
+            entry.users -= 1
+            if entry.users:
                 return
             del self._maps[key]
-        _unmap(entry[0], entry[1])
+        entry.unmap()
 
     def close(self) -> None:
         with self._lock:
@@ -115,22 +140,11 @@ class PoolMaps:
             workers, self._workers = self._workers, None
         if workers is not None:
             workers.close()
-        for pool, view, _users, _pages in entries:
-            _unmap(pool, view)
+        for entry in entries:
+            entry.unmap()
 
     def __len__(self) -> int:
         return len(self._maps)
-
-
-def _unmap(pool: mmap.mmap, view: np.ndarray) -> None:
-    # A GPU cache's copies page-locked the pool: undo that first (only they import it).
-    staging = sys.modules.get("lmcache_mp.ipc.cuda.staging")
-    if staging is not None:
-        staging.unpin(view)
-    try:
-        pool.close()
-    except BufferError:
-        pass  # a copy still holds a view: the mapping goes with the last one
 
 
 def slot_view(pool: Pool, slot: PoolSlot, g: KVGeometry, chunk_size: int) -> np.ndarray:
@@ -183,8 +197,9 @@ def copy_into_slots(
     # writes nothing.
     targets = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
-        from ..ipc.cuda.staging import device_copy_into_slots
+        from ..ipc.cuda.staging import device_copy_into_slots, unpin
 
+        pool.before_unmap.add(unpin)  # the copy page-locks the pool, until it is unmapped
         device_copy_into_slots(cache, ids, targets, chunk_indices, pool.view, chunk_size,
                                stream)
         return
@@ -218,8 +233,9 @@ def copy_from_slots(
     sources = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     skip_blocks = skip_first_n_tokens // g.block_size
     if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
-        from ..ipc.cuda.staging import device_copy_from_slots
+        from ..ipc.cuda.staging import device_copy_from_slots, unpin
 
+        pool.before_unmap.add(unpin)  # the copy page-locks the pool, until it is unmapped
         device_copy_from_slots(cache, ids, sources, pool.view, chunk_size, skip_blocks, stream)
         return
     from ..ipc.paged_copy import scatter_tasks

@@ -13,13 +13,13 @@ from typing import Any, Protocol
 
 from ...errors import InvalidArgument, LMCacheMPError
 from .handles import (
-    _ABSENT_ERRORS,
+    ABSENT_ERRORS,
     IPC_HANDLE_SIZE,
     TIMELINE_EVENT_HANDLE_SIZE,
     CudaError,
     CudaUnavailable,
     UnsupportedServerEvent,
-    _as_bytes,
+    char_array_bytes,
     handle_bytes,
     torch_uuid_string,
     uuid_bytes,
@@ -129,7 +129,7 @@ class CudaBindingsDriver:
         err, rest = result[0], result[1:]
         if int(err) != 0:
             name = _error_name(err)
-            cls = CudaUnavailable if name in _ABSENT_ERRORS else CudaError
+            cls = CudaUnavailable if name in ABSENT_ERRORS else CudaError
             raise cls(f"{call} failed: {name} ({int(err)})", call=call, code=int(err))
         return tuple(rest)
 
@@ -178,7 +178,7 @@ class CudaBindingsDriver:
 
     def device_info(self, device: int) -> DeviceInfo:
         (prop,) = self._rt_call("cudaGetDeviceProperties", device)
-        name = _as_bytes(prop.name).split(b"\0", 1)[0].decode(errors="replace")
+        name = char_array_bytes(prop.name).split(b"\0", 1)[0].decode(errors="replace")
         return DeviceInfo(device, name, torch_uuid_string(uuid_bytes(prop.uuid)),
                           int(prop.totalGlobalMem), (int(prop.major), int(prop.minor)))
 

@@ -22,6 +22,8 @@ __all__ = [
     "handle_bytes",
     "write_handle_bytes",
     "uuid_bytes",
+    "ABSENT_ERRORS",
+    "char_array_bytes",
 ]
 
 IPC_HANDLE_SIZE = 64  # cudaIpcMemHandle_t and cudaIpcEventHandle_t are both 64 bytes
@@ -50,8 +52,9 @@ class UnsupportedServerEvent(CudaError, ProtocolMismatch):
     (a CPU-mode server's stub, or an ``--isolated-ipc`` timeline-semaphore event)."""
 
 
-# Error names meaning "no CUDA on this machine" rather than "this call was wrong".
-_ABSENT_ERRORS = (
+#: Error names meaning "no CUDA on this machine" rather than "this call was wrong"
+#: (the driver raises :class:`CudaUnavailable` for them).
+ABSENT_ERRORS = (
     "cudaErrorNoDevice", "cudaErrorInsufficientDriver", "cudaErrorStubLibrary",
     "cudaErrorSystemDriverMismatch", "CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_STUB_LIBRARY",
     "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
@@ -68,7 +71,7 @@ def torch_uuid_string(uuid16: bytes) -> str:
     return str(_uuid.UUID(bytes=bytes(uuid16)))
 
 
-def _as_bytes(value: object) -> bytes:
+def char_array_bytes(value: object) -> bytes:
     """bytes from what the bindings return for a char array: bytes, a latin-1 str, or
     a sequence of (possibly signed) C chars."""
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -96,7 +99,7 @@ def handle_bytes(struct: object, size: int = IPC_HANDLE_SIZE) -> bytes:
     13.4 dropped that attribute (runtime.pxd: ``cudaIpcMemHandle_st`` lists no field),
     so otherwise read ``size`` bytes at ``getPtr()``."""
     reserved = getattr(struct, "reserved", None)
-    data = _as_bytes(reserved) if reserved is not None else ctypes.string_at(
+    data = char_array_bytes(reserved) if reserved is not None else ctypes.string_at(
         _struct_address(struct), size)
     if len(data) != size:
         raise CudaError(f"expected a {size}-byte handle, got {len(data)} bytes")
@@ -117,7 +120,7 @@ def write_handle_bytes(struct: object, data: bytes, size: int = IPC_HANDLE_SIZE)
 def uuid_bytes(uuid_struct: object) -> bytes:
     """The 16 bytes of a ``cudaUUID_t`` / ``CUuuid`` (``.bytes``, else its pointer)."""
     raw = getattr(uuid_struct, "bytes", None)
-    data = _as_bytes(raw) if raw is not None else ctypes.string_at(
+    data = char_array_bytes(raw) if raw is not None else ctypes.string_at(
         _struct_address(uuid_struct), 16)
     if len(data) != 16:
         raise CudaError(f"a CUDA device UUID is 16 bytes, got {len(data)}")

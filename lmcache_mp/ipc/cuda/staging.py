@@ -265,8 +265,8 @@ def _ensure_pinned(drv: CopyDriver, device: int, view: np.ndarray) -> None:
 
 
 def unpin(view: np.ndarray) -> None:
-    """Undo the pinning of a pool mapping (``engine_driven`` calls this before it
-    unmaps a pool, when this module was imported)."""
+    """Undo the pinning of a pool mapping. The session's engine-driven copies add it to
+    the pool's hooks that run before the pool is unmapped."""
     with _pin_lock:
         entry = _pinned.pop(int(view.ctypes.data), None)
     if entry is None:
