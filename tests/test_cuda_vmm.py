@@ -70,7 +70,7 @@ def test_a_fabric_export_travels_in_the_0_5_7_descriptor() -> None:
                                      for r in recs)
     for family in ("0.5.6", "0.5.7"):
         payloads = get_profile(family).register_payloads(7, recs, "m", 1, "HND", [])
-        assert [b.data for b in payloads[1]] == [vmm_descriptor(r) for r in recs]  # type: ignore[arg-type]
+        assert [b.data for b in payloads["kv_caches"]] == [vmm_descriptor(r) for r in recs]  # type: ignore[arg-type]
     cache.close()
 
 

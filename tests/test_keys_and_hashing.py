@@ -122,7 +122,8 @@ def test_wire_key_has_exactly_the_eight_0_5_3_fields_in_order() -> None:
     # (the salt to "", the worker id to None) shows.
     key = make(world_size=4, worker_id=3, token_ids=list(range(7, 519)), start=256, end=512,
                request_id="rid-9", cache_salt="tenant-3", model_name="model-x")
-    lookup, tp = profile.all_ranks_payloads(key, 2)
+    payloads = profile.all_ranks_payloads(key, 2)
+    lookup, tp = payloads["key"], payloads["tp_size"]
     transfer = profile.transfer_key(key, 1)
     expected = ["model-x", 4, None, tuple(range(7, 519)), 256, 512, "rid-9", "tenant-3"]
     assert [getattr(lookup, f) for f in profile.key_type.__struct_fields__] == expected

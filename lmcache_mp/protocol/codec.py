@@ -33,8 +33,14 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 encode_value = _ENCODER.encode
 
 
-def encode_request(op: Operation, payloads: Sequence[Any]) -> list[bytes]:
-    """Frames ``[type, *payloads]`` for ``op``; raises InvalidArgument before sending."""
+def encode_request(op: Operation, payloads: Sequence[Any] | dict[str, Any]) -> list[bytes]:
+    """Frames ``[type, *payloads]`` for ``op``; raises InvalidArgument before sending.
+
+    ``payloads``: a dict of the values by payload name (``op.payloads`` gives the wire
+    order, and the value a payload left out defaults to, if it has one), or the values
+    in wire order (a trailing payload with a default may be left out)."""
+    if isinstance(payloads, dict):
+        return _encode_named(op, payloads)
     specs = op.payloads
     given = len(payloads)
     if given < len(specs) and all(s.default is not NO_DEFAULT for s in specs[given:]):
@@ -52,6 +58,36 @@ def encode_request(op: Operation, payloads: Sequence[Any]) -> list[bytes]:
             raise InvalidArgument(f"{op.name}: invalid {spec.name}: {exc}") from None
         frames.append(_ENCODER.encode(checked))
     return frames
+
+
+def _encode_named(op: Operation, named: dict[str, Any]) -> list[bytes]:
+    # One pass over the op's payload specs: the names give the order, no tuple is built.
+    frames = [op.type_frame]
+    found = 0
+    for spec in op.payloads:
+        value = named.get(spec.name, _ABSENT)
+        if value is _ABSENT:
+            value = spec.default
+            if value is NO_DEFAULT:
+                raise InvalidArgument(f"{op.name}: no {spec.name} given ({_takes(op)})")
+        else:
+            found += 1
+        try:
+            checked = spec.validate(value)
+        except (msgspec.ValidationError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"{op.name}: invalid {spec.name}: {exc}") from None
+        frames.append(_ENCODER.encode(checked))
+    if found != len(named):
+        unknown = sorted(set(named) - {spec.name for spec in op.payloads})
+        raise InvalidArgument(f"{op.name} has no payload {', '.join(unknown)} ({_takes(op)})")
+    return frames
+
+
+def _takes(op: Operation) -> str:
+    return f"it takes {', '.join(p.name for p in op.payloads) or 'no payload'}"
+
+
+_ABSENT: Any = object()
 
 
 def decode_reply(op: Operation, frames: Sequence[bytes]) -> Any:

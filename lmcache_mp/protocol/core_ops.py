@@ -91,8 +91,10 @@ def core_operations(
                   "sync", "engine"),
         Operation("PREPARE_STORE", 16, (KEY, INSTANCE_ID, *prepare_tail), PrepareStoreResponse,
                   "blocking", "engine"),
-        Operation("COMMIT_STORE", 17, (KEY, INSTANCE_ID, Payload("cpu_data", bytes)), bool,
-                  "blocking", "engine"),
+        # cpu_data: empty, the data travels in the shared-memory pool (this client's only
+        # engine-driven transport), as LMCache's own SHM adapter sends it.
+        Operation("COMMIT_STORE", 17, (KEY, INSTANCE_ID, Payload("cpu_data", bytes, default=b"")),
+                  bool, "blocking", "engine"),
         Operation("PREPARE_RETRIEVE", 18, (KEY, INSTANCE_ID), PrepareRetrieveResponse,
                   "blocking", "engine"),
         Operation("COMMIT_RETRIEVE", 19, (KEY, INSTANCE_ID), bool, "blocking", "engine"),

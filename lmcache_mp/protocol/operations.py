@@ -168,21 +168,23 @@ class Profile:
         return name in self.operations
 
     # ------------------------------------------------------------ payloads
-    def all_ranks_payloads(self, key: Any, tp_size: int,
-                           mla: bool = False) -> tuple[Any, int]:
+    # Callers name every payload (a dict by payload name, see codec.encode_request): the
+    # wire order is the operation's, a payload left out takes its default. What differs
+    # between families is built here from plain values.
+    def all_ranks_payloads(self, key: Any, tp_size: int, mla: bool = False) -> dict[str, Any]:
         """LOOKUP / FREE_LOOKUP_LOCKS: the key for every rank (worker_id nil), the reader
         count in the key (0.5.5+; see :func:`kv_readers` for ``mla``) and as the
         ``tp_size`` payload (0.5.3)."""
-        return (self.build_key(key, None, kv_readers(tp_size, key.world_size, mla)),
-                tp_size)
+        return {"key": self.build_key(key, None, kv_readers(tp_size, key.world_size, mla)),
+                "tp_size": tp_size}
 
     def transfer_key(self, key: Any, worker_id: int) -> msgspec.Struct:
         """The key of a STORE / RETRIEVE / PREPARE_* / COMMIT_* for one KV rank."""
         return self.build_key(key, worker_id, 1)
 
-    def clear_payloads(self, force: bool) -> tuple[Any, ...]:
+    def clear_payloads(self, force: bool) -> dict[str, Any]:
         """CLEAR: no payload up to 0.5.5 (the server always forces), ``[force]`` after."""
-        return (bool(force),) if self.op("CLEAR").payloads else ()
+        return {"force": bool(force)} if self.op("CLEAR").payloads else {}
 
     def register_payloads(
         self,
@@ -192,11 +194,13 @@ class Profile:
         world_size: int,
         kv_layout: KVLayout | None,
         groups: Sequence[Any],
-    ) -> tuple[Any, ...]:
+    ) -> dict[str, Any]:
         """REGISTER_KV_CACHE's seven payloads; the engine type is always ``"vllm"``
         (the server reads vLLM-style paged layers; it is only a format hint)."""
         from .types import LayoutHints
 
         hints = LayoutHints() if kv_layout is None else LayoutHints(kv_layout=kv_layout)
-        return (instance_id, self.wrappers.encode(exports, "/".join(self.releases)),
-                model_name, world_size, "vllm", hints, list(groups))
+        return {"instance_id": instance_id,
+                "kv_caches": self.wrappers.encode(exports, "/".join(self.releases)),
+                "model_name": model_name, "world_size": world_size, "engine_type": "vllm",
+                "layout_hints": hints, "engine_group_infos": list(groups)}

@@ -28,11 +28,18 @@ from ..protocol.detect import Detection, detect, unregister_unknown
 from ..protocol.operations import Operation
 from ..transport import PendingRequest, ReplyFuture, Transport
 
-__all__ = ["Connection", "DEFAULT_TIMEOUT"]
+__all__ = ["Connection", "DEFAULT_TIMEOUT", "Payloads", "NO_PAYLOADS"]
 
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 5.0
+
+#: A request's payloads by name (the profile's operation gives the wire order; see
+#: :func:`lmcache_mp.protocol.encode_request`).
+Payloads = dict[str, Any]
+
+#: The payloads of an operation that takes none (shared: never modified).
+NO_PAYLOADS: Payloads = {}
 
 
 class Connection:
@@ -170,10 +177,11 @@ class Connection:
         return self.timeout if timeout is None else positive_seconds("timeout", timeout)
 
     def submit(
-        self, op_name: str, payloads: Sequence[Any], seconds: float, epoch: int | None = None
+        self, op_name: str, payloads: Payloads, seconds: float, epoch: int | None = None
     ) -> tuple[Operation, PendingRequest]:
         """Encode (validating every payload first) and send; nothing is sent on error.
-        A protocol probe needed first (a new connection) comes out of ``seconds``."""
+        ``payloads`` by name: the server's profile puts them in its wire order. A protocol
+        probe needed first (a new connection) comes out of ``seconds``."""
         profile = self._profile
         if profile is None or not (self.fixed_protocol
                                    or self._profile_epoch == self.transport.epoch):
@@ -187,7 +195,7 @@ class Connection:
     def request(
         self,
         op_name: str,
-        payloads: Sequence[Any],
+        payloads: Payloads,
         timeout: float | None,
         convert: Callable[[Any], Any] | None = None,
     ) -> ReplyFuture[Any]:
@@ -199,7 +207,7 @@ class Connection:
             decode = partial(_then, decode, convert)
         return ReplyFuture(self.transport, pending, decode)
 
-    def call(self, op_name: str, payloads: Sequence[Any], timeout: float | None) -> Any:
+    def call(self, op_name: str, payloads: Payloads, timeout: float | None) -> Any:
         """The blocking form, without a future on the hot path."""
         op, pending = self.submit(op_name, payloads, self.seconds(timeout))
         return decode_reply(op, self.transport.wait(pending))
@@ -228,7 +236,8 @@ class Connection:
             remaining = max(deadline - time.monotonic(), 0.001)
             # Let the server wait for most of the remaining budget and keep a margin
             # for the reply itself; the call as a whole stays within the budget.
-            hits = self.call("WAIT_PREFETCH_STATUS", (key.request_id, remaining * 0.8),
+            hits = self.call("WAIT_PREFETCH_STATUS",
+                             {"request_id": key.request_id, "timeout": remaining * 0.8},
                              remaining)
             if hits is None:
                 raise RequestTimeout(
@@ -246,7 +255,7 @@ class Connection:
         epoch = self.transport.epoch
         if cached is not None and cached[0] == epoch:
             return cached[1]
-        op, pending = self.submit("GET_CHUNK_SIZE", (), self.seconds(timeout))
+        op, pending = self.submit("GET_CHUNK_SIZE", NO_PAYLOADS, self.seconds(timeout))
         value = decode_reply(op, self.transport.wait(pending))
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ProtocolMismatch(

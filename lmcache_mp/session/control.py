@@ -14,7 +14,7 @@ from ..errors import InvalidArgument
 from ..keys import CacheKey
 from ..protocol.types import BlockAllocationRecord
 from ..transport import ReplyFuture, blocking
-from .connection import Connection
+from .connection import NO_PAYLOADS, Connection, Payloads
 
 __all__ = ["ControlPlane"]
 
@@ -27,15 +27,15 @@ class ControlPlane:
     def noop(self, *, timeout: float | None = None) -> str:
         """NOOP, answered on the server's message thread ("OK")."""
         # Written out (not via noop_async) to keep the latency floor: no future.
-        return str(self._conn.call("NOOP", (), timeout))
+        return str(self._conn.call("NOOP", NO_PAYLOADS, timeout))
 
     def noop_async(self, *, timeout: float | None = None) -> ReplyFuture[str]:
-        return self._conn.request("NOOP", (), timeout, str)
+        return self._conn.request("NOOP", NO_PAYLOADS, timeout, str)
 
     def ping_async(self, instance_id: int | None = None, *,
                    timeout: float | None = None) -> ReplyFuture[bool]:
         """PING; with ``instance_id`` it also marks that worker alive (ping-proven)."""
-        return self._conn.request("PING", (instance_id,), timeout, bool)
+        return self._conn.request("PING", {"instance_id": instance_id}, timeout, bool)
 
     ping = blocking(ping_async)
 
@@ -53,7 +53,7 @@ class ControlPlane:
 
     def get_experimental_async(self, *, timeout: float | None = None) -> ReplyFuture[list[str]]:
         """The experimental transfer features the server was started with."""
-        return self._conn.request("GET_EXPERIMENTAL", (), timeout, list)
+        return self._conn.request("GET_EXPERIMENTAL", NO_PAYLOADS, timeout, list)
 
     get_experimental = blocking(get_experimental_async)
 
@@ -76,7 +76,7 @@ class ControlPlane:
     def query_prefetch_status_async(self, request_id: str, *,
                                     timeout: float | None = None) -> ReplyFuture[int | None]:
         """Hit chunks of the lookup job, None while it runs; consumes the job (then 0)."""
-        return self._conn.request("QUERY_PREFETCH_STATUS", (request_id,), timeout)
+        return self._conn.request("QUERY_PREFETCH_STATUS", {"request_id": request_id}, timeout)
 
     query_prefetch_status = blocking(query_prefetch_status_async)
 
@@ -87,14 +87,16 @@ class ControlPlane:
         timeout), so a dead server still surfaces as an error."""
         wait_s = positive_seconds("timeout", timeout)
         deadline = wait_s + self._conn.seconds(rpc_timeout)
-        return self._conn.request("WAIT_PREFETCH_STATUS", (request_id, wait_s), deadline)
+        return self._conn.request("WAIT_PREFETCH_STATUS",
+                                  {"request_id": request_id, "timeout": wait_s}, deadline)
 
     wait_prefetch_status = blocking(wait_prefetch_status_async)
 
     def query_prefetch_lookup_hits_async(self, request_id: str, *,
                                          timeout: float | None = None) -> ReplyFuture[int | None]:
         """Hit chunks found so far, without consuming the job (0.5.3-0.5.5 only)."""
-        return self._conn.request("QUERY_PREFETCH_LOOKUP_HITS", (request_id,), timeout)
+        return self._conn.request("QUERY_PREFETCH_LOOKUP_HITS", {"request_id": request_id},
+                                  timeout)
 
     query_prefetch_lookup_hits = blocking(query_prefetch_lookup_hits_async)
 
@@ -123,7 +125,7 @@ class ControlPlane:
         """Drop the server's session (cached chunk hashes) for ``request_id``. End every
         request id before reusing it for other tokens, and before the last unregister of
         its model (the server does not answer it after that)."""
-        return self._conn.request("END_SESSION", (request_id,), timeout)
+        return self._conn.request("END_SESSION", {"request_id": request_id}, timeout)
 
     end_session = blocking(end_session_async)
 
@@ -139,8 +141,9 @@ class ControlPlane:
                 f"records must be a list of BlockAllocationRecord (or mappings with req_id, "
                 f"new_block_ids, new_token_ids), got {type(records).__name__}")
         recs = [_record(r) for r in records]
-        return self._conn.request("REPORT_BLOCK_ALLOCATION", (instance_id, model_name, recs),
-                                  timeout)
+        return self._conn.request(
+            "REPORT_BLOCK_ALLOCATION",
+            {"instance_id": instance_id, "model_name": model_name, "records": recs}, timeout)
 
     report_block_allocation = blocking(report_block_allocation_async)
 
@@ -174,7 +177,7 @@ class ControlPlane:
             time.sleep(poll_s)
 
     def _all_ranks(self, key: CacheKey, tp_size: int, timeout: float | None,
-                   mla: bool = False) -> tuple[Any, int]:
+                   mla: bool = False) -> Payloads:
         if not isinstance(key, CacheKey):
             raise InvalidArgument(f"expected a lmcache_mp.CacheKey, got {type(key).__name__}")
         return self._conn.profile_for(self._conn.seconds(timeout)).all_ranks_payloads(

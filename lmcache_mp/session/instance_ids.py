@@ -77,7 +77,7 @@ class InstanceIdAPI:
             raise InvalidArgument(f"{op}: instance_id must be an int, got {instance_id!r}")
         reg = self._registry.get(instance_id)
         if reg is None:
-            self._conn.call(op, (instance_id,), timeout)
+            self._conn.call(op, {"instance_id": instance_id}, timeout)
             return
         self._in_mode(reg, mode, op).unregister(timeout=timeout, unlink=unlink)
 

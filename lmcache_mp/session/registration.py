@@ -40,7 +40,7 @@ from ..transport import ReplyFuture, blocking
 from . import transfers
 from .binding import Binding, BindingEvent, BindingState
 from .blocks import BlockIds, TransferLayout, normalize_block_ids
-from .connection import Connection
+from .connection import NO_PAYLOADS, Connection
 from .engine_driven import NO_POOL_HELP, PoolMaps
 from .transfers import remaining, unsent, within
 
@@ -172,13 +172,14 @@ class Registration:
                     f"scrambled: register it with mode='engine' (this client copies either "
                     f"layout), allocate it with layout='HND', or use LMCache 0.5.5+")
             payloads = profile.register_payloads(
-                self.instance_id, cache.export_layers(), self.model_name, self.world_size,
-                cache.kv_layout, self.groups)
+                instance_id=self.instance_id, exports=cache.export_layers(),
+                model_name=self.model_name, world_size=self.world_size,
+                kv_layout=cache.kv_layout, groups=self.groups)
             op, p = conn.submit("REGISTER_KV_CACHE", payloads, unsent(deadline, "REGISTER"))
             decode_reply(op, conn.transport.wait(p))
             return Binding(p.sent_epoch)
         op, p = conn.submit("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
-                            (self._engine_payload(),), unsent(deadline, "REGISTER"))
+                            {"payload": self._engine_payload()}, unsent(deadline, "REGISTER"))
         info: RegisterEngineDrivenContextResponse = decode_reply(op, conn.transport.wait(p))
         return self._bind_pool(info, p.sent_epoch, deadline)
 
@@ -212,12 +213,12 @@ class Registration:
     def _try_engine_driven(self, deadline: float) -> Binding | None:
         conn = self._conn
         transport = conn.transport
-        op, p = conn.submit("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (self._engine_payload(),),
-                            remaining(deadline, "REGISTER"))
+        op, p = conn.submit("REGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
+                            {"payload": self._engine_payload()}, remaining(deadline, "REGISTER"))
         # Both run on the server's message thread in arrival order, so once the NOOP
         # is answered a missing REGISTER reply means "no handler" (a server started
         # with --supported-transfer-mode lmcache_driven), not "slow".
-        _, fence = conn.submit("NOOP", (), remaining(deadline, "REGISTER"))
+        _, fence = conn.submit("NOOP", NO_PAYLOADS, remaining(deadline, "REGISTER"))
         try:
             transport.wait(fence)
         except LMCacheMPError:
@@ -228,8 +229,8 @@ class Registration:
             return None
         info: RegisterEngineDrivenContextResponse = decode_reply(op, transport.wait(p))
         if not info.shm_name or info.pool_size <= 0:
-            conn.call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (self.instance_id,),
-                      remaining(deadline, "UNREGISTER"))
+            conn.call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
+                      {"instance_id": self.instance_id}, remaining(deadline, "UNREGISTER"))
             return None
         return Binding(p.sent_epoch, self._owner.pools.acquire(info.shm_name, info.pool_size,
                                                                p.sent_epoch), info)
@@ -247,8 +248,8 @@ class Registration:
     def _bind_pool(self, info: RegisterEngineDrivenContextResponse, epoch: int,
                    deadline: float) -> Binding:
         if not info.shm_name or info.pool_size <= 0:
-            self._conn.call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT", (self.instance_id,),
-                            remaining(deadline, "UNREGISTER"))
+            self._conn.call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
+                            {"instance_id": self.instance_id}, remaining(deadline, "UNREGISTER"))
             raise ProtocolMismatch(NO_POOL_HELP)
         pool = self._owner.pools.acquire(info.shm_name, info.pool_size, epoch)
         return Binding(epoch, pool, info)
@@ -312,7 +313,7 @@ class Registration:
             return
         sent_at = time.monotonic()
         try:
-            self._conn.call("PING", (self.instance_id,), seconds)
+            self._conn.call("PING", {"instance_id": self.instance_id}, seconds)
         except LMCacheMPError:
             state.fire(BindingEvent.HEARTBEAT_FAILED)
             raise
@@ -370,7 +371,7 @@ class Registration:
         groups = self._checked(key, block_ids, "STORE")
         if self.mode == "engine":
             return transfers.engine_store(self, key, groups, deadline, stream)
-        return transfers.server_copy(self, "STORE", key, groups, (), deadline, stream)
+        return transfers.server_copy(self, "STORE", key, groups, {}, deadline, stream)
 
     store = blocking(store_async)
 
@@ -392,8 +393,9 @@ class Registration:
         if self.mode == "engine":
             return transfers.engine_retrieve(self, key, groups, skip_first_n_tokens, deadline,
                                              stream)
-        return transfers.server_copy(self, "RETRIEVE", key, groups, (skip_first_n_tokens,),
-                                     deadline, stream)
+        return transfers.server_copy(self, "RETRIEVE", key, groups,
+                                     {"skip_first_n_tokens": skip_first_n_tokens}, deadline,
+                                     stream)
 
     retrieve = blocking(retrieve_async)
 
@@ -426,7 +428,7 @@ class Registration:
         try:
             op = ("UNREGISTER_KV_CACHE" if self.mode == "lmcache"
                   else "UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT")
-            self._conn.call(op, (self.instance_id,), timeout)
+            self._conn.call(op, {"instance_id": self.instance_id}, timeout)
         finally:
             if unlink:
                 self.cache.unlink()

@@ -169,7 +169,7 @@ class Request:
                     conn.call("FREE_LOOKUP_LOCKS",
                               conn.profile.all_ranks_payloads(key, self._tp_size, reg._mla),
                               timeout)
-            conn.call("END_SESSION", (self.request_id,), timeout)
+            conn.call("END_SESSION", {"request_id": self.request_id}, timeout)
         except LMCacheMPError as err:
             log.warning("lmcache_mp: closing request %r: %s", self.request_id, err)
 

@@ -31,6 +31,7 @@ from ..protocol import decode_reply
 from ..protocol.operations import Operation
 from ..protocol.types import PrepareRetrieveResponse, PrepareStoreResponse
 from ..transport import PendingRequest, ReplyFuture
+from .connection import Payloads
 from .engine_driven import copy_from_slots, copy_into_slots
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ log = logging.getLogger("lmcache_mp")
 
 # ------------------------------------------------- LMCache-driven transfers
 def server_copy(reg: Registration, op_name: str, key: CacheKey, groups: list[list[int]],
-                extra: tuple[Any, ...], deadline: float, stream: Any) -> ReplyFuture[bool]:
+                extra: Payloads, deadline: float, stream: Any) -> ReplyFuture[bool]:
     """STORE / RETRIEVE: the server copies between the registered cache and its L1."""
     conn, cache = reg._conn, reg.cache
     worker = reg._worker(key)
@@ -56,7 +57,8 @@ def server_copy(reg: Registration, op_name: str, key: CacheKey, groups: list[lis
         b = reg._bound(deadline)
         wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key, worker)
         sent_at = time.monotonic()
-        op, p = conn.submit(op_name, (wire, reg.instance_id, groups, event, *extra),
+        op, p = conn.submit(op_name, {"key": wire, "instance_id": reg.instance_id,
+                                      "block_ids": groups, "event_ipc_handle": event, **extra},
                             unsent(deadline, op_name), epoch=b.epoch)
         sent.append((op, sent_at))
         return p
@@ -82,7 +84,7 @@ def _prepare(reg: Registration, op_name: str, key: CacheKey,
         b = reg._bound(deadline)
         wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key, reg._worker(key))
         sent_at = time.monotonic()
-        op, p = conn.submit(op_name, (wire, reg.instance_id),
+        op, p = conn.submit(op_name, {"key": wire, "instance_id": reg.instance_id},
                             unsent(deadline, op_name), epoch=b.epoch)
         try:
             frames = conn.transport.wait(p)
@@ -99,7 +101,7 @@ def engine_store(reg: Registration, key: CacheKey, groups: list[list[int]],
     cache = reg.cache
     # A CpuKVCache, or a GPU cache (CUDA copies on ``stream``; enforced at registration).
     b, wire, op, frames = _prepare(reg, "PREPARE_STORE", key, deadline)
-    commit = (wire, reg.instance_id, b"")
+    commit = {"key": wire, "instance_id": reg.instance_id}
     try:
         prepared = decode_reply(op, frames)
         assert isinstance(prepared, PrepareStoreResponse) and b.pool is not None
@@ -132,7 +134,7 @@ def engine_retrieve(reg: Registration, key: CacheKey, groups: list[list[int]], s
     the LOOKUP's read locks, also when the reply was unreadable or the copy failed)."""
     cache = reg.cache
     b, wire, op, frames = _prepare(reg, "PREPARE_RETRIEVE", key, deadline)
-    commit = (wire, reg.instance_id)
+    commit = {"key": wire, "instance_id": reg.instance_id}
     try:
         prepared = decode_reply(op, frames)
         assert isinstance(prepared, PrepareRetrieveResponse) and b.pool is not None
@@ -153,7 +155,7 @@ def engine_retrieve(reg: Registration, key: CacheKey, groups: list[list[int]], s
     return _commit(reg, "COMMIT_RETRIEVE", commit, b, deadline, _true)
 
 
-def _commit(reg: Registration, op_name: str, payloads: tuple[Any, ...], b: Binding,
+def _commit(reg: Registration, op_name: str, payloads: Payloads, b: Binding,
             deadline: float, convert: Callable[[Any], bool]) -> ReplyFuture[bool]:
     conn = reg._conn
     sent_at = time.monotonic()
@@ -167,7 +169,7 @@ def _commit(reg: Registration, op_name: str, payloads: tuple[Any, ...], b: Bindi
     return ReplyFuture(conn.transport, p, finish)
 
 
-def _release(reg: Registration, op_name: str, payloads: tuple[Any, ...], b: Binding,
+def _release(reg: Registration, op_name: str, payloads: Payloads, b: Binding,
              deadline: float) -> None:
     """Send the COMMIT that frees what a PREPARE took on the server, even when the
     call's deadline has passed (the server needs it either way); wait for its reply
