@@ -6,8 +6,10 @@ engines), and vLLM 0.33's scheduler against the newest release. Each job is a py
 process of its own with its release in ``LMCACHE_MP_SERVER_VERSION``, its own port
 range for the servers it starts (``LMCACHE_MP_PORT_RANGE``: parallel jobs never race
 for a port) and its output in ``build/test-logs/<job>.log``; the longest jobs start
-first. Much of a live job is waiting (a server starting, a reaper's timeout, an engine
-restarting), so a few jobs share 2 cores well; ``--jobs 1`` runs them one by one.
+first. Much of a live job is waiting (a server starting, a reaper's timeout, a
+restart), so a few jobs share 2 cores well; but jobs that run real vLLM engines take
+every core they get, so only one of those runs at a time (:data:`ENGINE_JOBS`), beside
+the others. ``--jobs 1`` runs everything one by one.
 
 A failed job's log tail is printed when it ends; the exit status is 1 if any job
 failed. Ctrl-C (or SIGTERM) interrupts every job the way Ctrl-C interrupts pytest, so
@@ -33,12 +35,19 @@ PORTS_PER_JOB = 400
 FIRST_PORT = 20000  # below Linux's ephemeral range (32768-60999): no kernel-chosen clash
 
 
+#: Jobs that run real vLLM engines (several processes each, every core they can get):
+#: at most this many at a time, whatever --jobs says. Two side by side on 2 cores starve
+#: each other's engines (a two-rank engine then outlives its test's timeout).
+ENGINE_JOBS = 1
+
+
 @dataclass
 class Job:
     name: str
     args: list[str]
     env: dict[str, str] = field(default_factory=dict)
     expected_s: float = 60.0  # for the order only: the longest jobs start first
+    engines: bool = False  # runs real vLLM engines (see ENGINE_JOBS)
 
 
 def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
@@ -47,12 +56,13 @@ def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
     for rel in releases:
         env = {"LMCACHE_MP_SERVER_VERSION": rel}
         jobs.append(Job(f"live-{rel}", ["-m", "live", "--ignore=tests/vllm"], env, 200))
-        jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/vllm"], env, 250))
+        jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/vllm"], env, 250, engines=True))
     if tree_venv:
         # Failure handling (servers down, restarted, two) runs on 0.32's real engines.
         jobs.append(Job(f"vllm-tree-{newest}", [
             "-m", "live", "tests/vllm/test_vllm_live.py", "-k", "not server"],
-            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 120))
+            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 120,
+            engines=True))
     return sorted(jobs, key=lambda j: -j.expected_s)
 
 
@@ -100,8 +110,12 @@ def main() -> int:
     slot_of: dict[int, int] = {}
     print(f"run_suites: {len(todo)} jobs, {opts.jobs} at a time; logs in {LOGS}", flush=True)
     while todo or running:
-        while todo and len(running) < opts.jobs:
-            job = todo.pop(0)
+        while len(running) < opts.jobs:
+            engines_busy = sum(r.job.engines for r in running) >= ENGINE_JOBS
+            job = next((j for j in todo if not (j.engines and engines_busy)), None)
+            if job is None:
+                break
+            todo.remove(job)
             slot = slots.pop(0)
             lo = FIRST_PORT + slot * PORTS_PER_JOB
             log = LOGS / f"{job.name}.log"
