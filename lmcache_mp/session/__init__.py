@@ -3,8 +3,10 @@
 * :mod:`.connection`: the transport plus the profile probed per connection (encode,
   submit, decode);
 * :mod:`.control`: the control plane (lookups, clears, the server's status);
-* :mod:`.registration`, :mod:`.request`, :mod:`.transfers`: a registered KV cache, the
-  per-request bookkeeping, and the two transfer modes;
+* :mod:`.registration` and :mod:`.binding`: a registered KV cache, its two transfer
+  modes, and the state machine of its binding to the server; :mod:`.request`: the
+  per-request bookkeeping;
+* :mod:`.deadlines`: the time a call has left;
 * :mod:`.engine_driven` and :mod:`.blocks`: the server's pool, its slots and the copies;
   block-id and range checks;
 * :mod:`.registry`: a client's registrations and their heartbeat;

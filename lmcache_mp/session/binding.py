@@ -95,6 +95,7 @@ _S, _E = BindingStatus, BindingEvent
 #: (state, event) -> next state; any pair missing is illegal.
 TRANSITIONS: dict[tuple[BindingStatus, BindingEvent], BindingStatus] = {
     (_S.NEW, _E.REGISTERED): _S.BOUND,
+    (_S.NEW, _E.UNREGISTERED): _S.UNREGISTERED,  # unregister() before any register: a no-op
 
     (_S.BOUND, _E.HEARTBEAT_FAILED): _S.SUSPECT,
     (_S.BOUND, _E.CONNECTION_CHANGED): _S.SUSPECT,

@@ -13,7 +13,17 @@ register) within the server's shortest reap budget. If not, it registers again f
 (the server treats a repeated REGISTER of a live instance as a refresh), holding the
 transfer within its deadline. Transfers are sent bound to the connection they were
 checked on, so one that would reach a new server unregistered is held back and sent
-again after re-registering (see :meth:`Transport.submit`).
+again after re-registering (see :meth:`Transport.submit`). Where the binding stands is
+one state machine, :mod:`lmcache_mp.session.binding`.
+
+The two ways a registration moves blocks:
+
+* LMCache-driven (``mode="lmcache"``): one STORE / RETRIEVE; the server copies between
+  the mapped cache and its L1. If the socket reconnected before it went out, it is sent
+  again after the registration is renewed, within the call's deadline.
+* Engine-driven (``mode="engine"``): PREPARE_* (the server reserves or finds pool
+  slots), this client's copy, COMMIT_*. A PREPARE that finds a new connection is
+  prepared again after re-registering; the COMMIT must go to the server that prepared.
 """
 
 from __future__ import annotations
@@ -22,30 +32,30 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
 
 from ..checks import is_int
-from ..errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
+from ..errors import ConnectionChanged, InvalidArgument, LMCacheMPError, ProtocolMismatch
 from ..ipc.base import ExportableKVCache
 from ..ipc.cpu_cache import CpuKVCache
 from ..keys import CacheKey
 from ..protocol import decode_reply
+from ..protocol.operations import Operation
 from ..protocol.types import (
     EngineGroupInfo,
+    PrepareRetrieveResponse,
+    PrepareStoreResponse,
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
 )
-from ..transport import ReplyFuture, blocking
-from . import transfers
+from ..transport import PendingRequest, ReplyFuture, blocking
 from .binding import Binding, BindingEvent, BindingState
 from .blocks import BlockIds, TransferLayout, normalize_block_ids
-from .connection import NO_PAYLOADS, Connection
-from .engine_driven import NO_POOL_HELP, PoolMaps
-from .transfers import remaining, unsent, within
-
-if TYPE_CHECKING:
-    from .request import Request
+from .connection import NO_PAYLOADS, Connection, Payloads
+from .deadlines import remaining, unsent, within
+from .engine_driven import NO_POOL_HELP, PoolMaps, copy_from_slots, copy_into_slots
+from .request import Request
 
 __all__ = ["Registration", "Mode", "Binding"]
 
@@ -319,10 +329,6 @@ class Registration:
             raise
         state.touch(sent_at)
 
-    def _touch(self, sent_at: float) -> None:
-        # The server refreshed its timer when it handled a request sent at sent_at.
-        self._state.touch(sent_at)
-
     # -------------------------------------------------------------- requests
     def request(
         self,
@@ -338,10 +344,8 @@ class Registration:
         if it is unique: every LMCache release keeps a session's chunk hashes by request
         id until END_SESSION (else 600 s), so STORE / RETRIEVE under an id reused for
         another prompt in that time use the *first* prompt's hashes."""
-        from .request import Request
-
-        req = Request(self, token_ids, request_id=request_id, cache_salt=cache_salt,
-                      tp_size=tp_size)
+        req = Request(self, self._conn, self._state, token_ids, request_id=request_id,
+                      cache_salt=cache_salt, tp_size=tp_size, mla=self._mla)
         self._requests.add(req)
         return req
 
@@ -370,8 +374,8 @@ class Registration:
         deadline = time.monotonic() + self._conn.seconds(timeout)
         groups = self._checked(key, block_ids, "STORE")
         if self.mode == "engine":
-            return transfers.engine_store(self, key, groups, deadline, stream)
-        return transfers.server_copy(self, "STORE", key, groups, {}, deadline, stream)
+            return self._engine_store(key, groups, deadline, stream)
+        return self._server_copy("STORE", key, groups, {}, deadline, stream)
 
     store = blocking(store_async)
 
@@ -391,11 +395,9 @@ class Registration:
             raise InvalidArgument(f"skip_first_n_tokens must be an int in "
                                   f"[0, {key.end - key.start}], got {skip_first_n_tokens!r}")
         if self.mode == "engine":
-            return transfers.engine_retrieve(self, key, groups, skip_first_n_tokens, deadline,
-                                             stream)
-        return transfers.server_copy(self, "RETRIEVE", key, groups,
-                                     {"skip_first_n_tokens": skip_first_n_tokens}, deadline,
-                                     stream)
+            return self._engine_retrieve(key, groups, skip_first_n_tokens, deadline, stream)
+        return self._server_copy("RETRIEVE", key, groups,
+                                 {"skip_first_n_tokens": skip_first_n_tokens}, deadline, stream)
 
     retrieve = blocking(retrieve_async)
 
@@ -409,6 +411,146 @@ class Registration:
     def _worker(self, key: CacheKey) -> int:
         """The KV rank of a transfer: the key's, else the registration's."""
         return self.worker_id if key.worker_id is None else key.worker_id
+
+    # ----------------------------------------------- LMCache-driven transfers
+    def _server_copy(self, op_name: str, key: CacheKey, groups: list[list[int]],
+                     extra: Payloads, deadline: float, stream: Any) -> ReplyFuture[bool]:
+        """STORE / RETRIEVE: the server copies between the registered cache and its L1."""
+        conn, cache, state = self._conn, self.cache, self._state
+        worker = self._worker(key)
+        # The event orders the server's copy after the caller's stream (CUDA); the
+        # token (the event) must live until the reply. A CPU server ignores it.
+        event, token = cache.begin_transfer(stream)
+        sent: list[tuple[Operation, float]] = []
+
+        def submit() -> PendingRequest:
+            b = self._bound(deadline)
+            wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key, worker)
+            sent_at = time.monotonic()
+            op, p = conn.submit(op_name, {"key": wire, "instance_id": self.instance_id,
+                                          "block_ids": groups, "event_ipc_handle": event,
+                                          **extra},
+                                unsent(deadline, op_name), epoch=b.epoch)
+            sent.append((op, sent_at))
+            return p
+
+        def finish(frames: list[bytes]) -> bool:
+            op, sent_at = sent[-1]
+            server_event, ok = decode_reply(op, frames)
+            state.touch(sent_at)
+            cache.end_transfer(server_event, stream, token)
+            return bool(ok)
+
+        return ReplyFuture(conn.transport, submit(), finish, resubmit=submit)
+
+    # ------------------------------------------------ engine-driven transfers
+    def _prepare(self, op_name: str, key: CacheKey,
+                 deadline: float) -> tuple[Binding, Any, Operation, list[bytes]]:
+        """PREPARE_* bound to the current connection, re-registering when it changed; the
+        reply frames, not yet decoded (a reply that cannot be read must still be followed
+        by the COMMIT that releases what the server took)."""
+        conn = self._conn
+        while True:
+            b = self._bound(deadline)
+            wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key,
+                                                                            self._worker(key))
+            sent_at = time.monotonic()
+            op, p = conn.submit(op_name, {"key": wire, "instance_id": self.instance_id},
+                                unsent(deadline, op_name), epoch=b.epoch)
+            try:
+                frames = conn.transport.wait(p)
+            except ConnectionChanged:
+                continue
+            self._state.touch(sent_at)
+            return b, wire, op, frames
+
+    def _engine_store(self, key: CacheKey, groups: list[list[int]], deadline: float,
+                      stream: Any = None) -> ReplyFuture[bool]:
+        """PREPARE_STORE, copy the blocks into the reserved slots, COMMIT_STORE (chunks
+        already cached get no slot: nothing to do for them)."""
+        # A CpuKVCache, or a GPU cache (CUDA copies on ``stream``; enforced at registration).
+        b, wire, op, frames = self._prepare("PREPARE_STORE", key, deadline)
+        commit = {"key": wire, "instance_id": self.instance_id}
+        try:
+            prepared = decode_reply(op, frames)
+            assert isinstance(prepared, PrepareStoreResponse) and b.pool is not None
+            ctx = prepared.context
+            if not ctx.slots and not ctx.chunk_indices:
+                return ReplyFuture.completed(True)  # every chunk is cached already
+            import numpy as np  # loaded on the first engine-driven copy, not at import
+
+            copy_into_slots(self.cache, np.asarray(groups[0], dtype=np.int64), ctx.slots,
+                            ctx.chunk_indices, b.pool, self.chunk_size,
+                            self._owner.pools.workers, stream)
+        except BaseException as exc:
+            # The server holds a write reservation until COMMIT_STORE (else until its write
+            # TTL, 600 s, or the unregister; either way it then publishes the slots as they
+            # are, exactly as this COMMIT does): release it now, then say what happened.
+            self._release("COMMIT_STORE", commit, b, deadline)
+            if isinstance(exc, ProtocolMismatch):
+                raise ProtocolMismatch(
+                    f"{exc}. Nothing was copied; the COMMIT_STORE that releases the server's "
+                    f"reservation was sent, and LMCache publishes reserved slots as written "
+                    f"whatever they hold, so chunks of this key on the server may hold "
+                    f"unwritten data: clear() its cache if that matters") from None
+            raise
+        return self._commit("COMMIT_STORE", commit, b, deadline, bool)
+
+    def _engine_retrieve(self, key: CacheKey, groups: list[list[int]], skip: int,
+                         deadline: float, stream: Any = None) -> ReplyFuture[bool]:
+        """PREPARE_RETRIEVE, copy the slots into the blocks, COMMIT_RETRIEVE (which
+        releases the LOOKUP's read locks, also when the reply was unreadable or the copy
+        failed)."""
+        b, wire, op, frames = self._prepare("PREPARE_RETRIEVE", key, deadline)
+        commit = {"key": wire, "instance_id": self.instance_id}
+        try:
+            prepared = decode_reply(op, frames)
+            assert isinstance(prepared, PrepareRetrieveResponse) and b.pool is not None
+            if not prepared.success:
+                return ReplyFuture.completed(False)  # the server released what it found
+            import numpy as np
+
+            copy_from_slots(self.cache, np.asarray(groups[0], dtype=np.int64),
+                            prepared.context.slots, b.pool, self.chunk_size, skip,
+                            self._owner.pools.workers, stream)
+        except BaseException as exc:
+            self._release("COMMIT_RETRIEVE", commit, b, deadline)
+            if isinstance(exc, ProtocolMismatch):
+                raise ProtocolMismatch(
+                    f"{exc}. No block was written; the COMMIT_RETRIEVE that releases the "
+                    f"server's read locks was sent") from None
+            raise
+        return self._commit("COMMIT_RETRIEVE", commit, b, deadline, _true)
+
+    def _commit(self, op_name: str, payloads: Payloads, b: Binding, deadline: float,
+                convert: Callable[[Any], bool]) -> ReplyFuture[bool]:
+        conn, state = self._conn, self._state
+        sent_at = time.monotonic()
+        op, p = conn.submit(op_name, payloads, remaining(deadline, op_name), epoch=b.epoch)
+
+        def finish(frames: list[bytes]) -> bool:
+            value = convert(decode_reply(op, frames))
+            state.touch(sent_at)
+            return value
+
+        return ReplyFuture(conn.transport, p, finish)
+
+    def _release(self, op_name: str, payloads: Payloads, b: Binding, deadline: float) -> None:
+        """Send the COMMIT that frees what a PREPARE took on the server, even when the
+        call's deadline has passed (the server needs it either way); wait for its reply
+        only within the deadline. Failures are logged: the caller raises its own error."""
+        conn = self._conn
+        try:
+            _, p = conn.submit(op_name, payloads, max(deadline - time.monotonic(), 1.0),
+                               epoch=b.epoch)
+            conn.transport.wait_for(p, max(deadline - time.monotonic(), 0.0))
+            if not p.done:
+                conn.transport.cancel(p)  # sent; its reply is not needed
+            elif p.error is not None:
+                raise p.error
+        except LMCacheMPError as err:
+            log.warning("lmcache_mp: %s after a failed transfer was not confirmed: %s",
+                        op_name, err)
 
     # ----------------------------------------------------------- unregister
     def unregister(self, *, timeout: float | None = None, unlink: bool = True) -> None:
@@ -432,3 +574,7 @@ class Registration:
         finally:
             if unlink:
                 self.cache.unlink()
+
+
+def _true(_: Any) -> bool:
+    return True

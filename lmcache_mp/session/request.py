@@ -13,20 +13,40 @@ import logging
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..checks import positive_int
 from ..errors import InvalidArgument, LMCacheMPError
 from ..keys import CacheKey
 from ..transport import ReplyFuture, blocking
+from .binding import BindingState
 from .blocks import BlockIds
+from .connection import Connection
 
-if TYPE_CHECKING:
-    from .registration import Registration
-
-__all__ = ["Request"]
+__all__ = ["Request", "RequestOwner"]
 
 log = logging.getLogger("lmcache_mp")
+
+
+class RequestOwner(Protocol):
+    """What a request needs from its registration (see
+    :mod:`lmcache_mp.session.registration`): what it is, and its transfers."""
+
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def chunk_size(self) -> int: ...
+
+    worker_id: int
+
+    def store_async(self, key: CacheKey, block_ids: BlockIds, *, timeout: float | None = None,
+                    stream: Any = None) -> ReplyFuture[bool]: ...
+
+    def retrieve_async(self, key: CacheKey, block_ids: BlockIds, *,
+                       skip_first_n_tokens: int = 0, timeout: float | None = None,
+                       stream: Any = None) -> ReplyFuture[bool]: ...
 
 
 class Request:
@@ -36,14 +56,23 @@ class Request:
 
     def __init__(
         self,
-        reg: Registration,
+        reg: RequestOwner,
+        conn: Connection,
+        binding: BindingState,
         token_ids: Sequence[int] | Any,
         *,
         request_id: str | None,
         cache_salt: str,
         tp_size: int,
+        mla: bool,
     ) -> None:
+        # The registration's transfers, its connection, its binding (read locks and the
+        # session belong to the connection it is bound to), and whether its cache is a
+        # pure-MLA one (every TP rank reads each chunk).
         self._reg = reg
+        self._conn = conn
+        self._binding = binding
+        self._mla = mla
         rid = f"lmcache-mp-{uuid.uuid4().hex}" if request_id is None else request_id
         self._key = CacheKey(model_name=reg.model_name, world_size=reg.world_size,
                              worker_id=reg.worker_id, token_ids=token_ids, start=0, end=0,
@@ -96,15 +125,14 @@ class Request:
         read-locked for :meth:`retrieve` (this request frees those it does not retrieve
         when it closes)."""
         key = self._range(0, None, self.num_tokens, "LOOKUP")
-        reg = self._reg
-        return reg._conn.lookup_async(key, self._tp_size, timeout, self._took_locks,
-                                      mla=reg._mla)
+        return self._conn.lookup_async(key, self._tp_size, timeout, self._took_locks,
+                                       mla=self._mla)
 
     lookup = blocking(lookup_async)
 
     def _took_locks(self, hits: int) -> int:
-        binding = self._reg._state.binding
-        epoch = -1 if binding is None else binding.epoch
+        bound = self._binding.epoch
+        epoch = -1 if bound is None else bound
         with self._lock:
             if epoch != self._lock_epoch:  # locks of an earlier server are gone
                 self._locks = [0] * len(self._locks)
@@ -157,17 +185,16 @@ class Request:
             self._closed = True
             locks, self._locks = self._locks, [0] * len(self._locks)
             lock_epoch = self._lock_epoch
-        reg = self._reg
-        binding = reg._state.binding
-        if binding is None or not self._used:
+        bound = self._binding.epoch
+        if bound is None or not self._used:
             return  # unregistered: the server would not answer for this model any more
-        conn = reg._conn
+        conn = self._conn
         try:
-            if binding.epoch == lock_epoch:
+            if bound == lock_epoch:
                 for start, end in _held_runs(locks):
                     key = self._key.with_range(start * self._chunk, end * self._chunk)
                     conn.call("FREE_LOOKUP_LOCKS",
-                              conn.profile.all_ranks_payloads(key, self._tp_size, reg._mla),
+                              conn.profile.all_ranks_payloads(key, self._tp_size, self._mla),
                               timeout)
             conn.call("END_SESSION", {"request_id": self.request_id}, timeout)
         except LMCacheMPError as err:

@@ -29,6 +29,7 @@ S, E = BindingStatus, BindingEvent
 #: changed row of TRANSITIONS fails the tests below.
 EXPECTED = {
     (S.NEW, E.REGISTERED): S.BOUND,
+    (S.NEW, E.UNREGISTERED): S.UNREGISTERED,
     (S.BOUND, E.HEARTBEAT_FAILED): S.SUSPECT,
     (S.BOUND, E.CONNECTION_CHANGED): S.SUSPECT,
     (S.BOUND, E.RENEW_STARTED): S.RENEWING,
