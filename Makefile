@@ -64,7 +64,7 @@ test: setup oracle vllm-venv lint
 # hashing, the copy module and the pickle emitter against the offline suite only; not
 # part of CI. Unattended; results stay in mutants/ (a second run resumes/re-checks).
 #   make mutate                               every module in [tool.mutmut] only_mutate
-#   make mutate MODULE=lmcache_mp.hashing     one module (a few minutes each)
+#   make mutate MODULE=lmcache_mp.protocol.hashing     one module (a few minutes each)
 MODULE ?=
 $(VENV)/.mutate-installed: $(VENV)/.installed
 	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev,mutate]'

@@ -386,7 +386,7 @@ for rel in "${releases[@]}"; do
   else
     t0=$SECONDS
     run_step "doctor $rel" "$t" env PYTHONPATH="$path:$repo" "$rpy" -c \
-      "import sys; from lmcache_mp.doctor import main_doctor; sys.exit(main_doctor('tcp://127.0.0.1:$port', 10.0))"
+      "import sys; from lmcache_mp.cli.doctor import main_doctor; sys.exit(main_doctor('tcp://127.0.0.1:$port', 10.0))"
     rc=$?
     forms=$(grep -o 'CUDA wrapper forms.*' "$work/step.log" | tr -s ' ' | cut -c1-160)
     server=$(grep -o '\] server .*' "$work/step.log" | cut -c3-160)
