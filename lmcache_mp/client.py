@@ -8,7 +8,7 @@ registration gets the heartbeat and the recovery whichever API made it.
 
 from __future__ import annotations
 
-import secrets
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -206,7 +206,8 @@ class Client(ControlPlane, InstanceIdAPI):
             raise InvalidArgument(
                 "this KV cache was closed or unregistered (its shared-memory names are gone); "
                 "allocate a new cache to register")
-        iid = secrets.randbits(63) if instance_id is None else instance_id
+        # 63 random bits (os.urandom: the secrets module costs import time for nothing more)
+        iid = int.from_bytes(os.urandom(8), "big") >> 1 if instance_id is None else instance_id
         # The shared key fields are checked exactly as a CacheKey checks them.
         CacheKey(model_name=model_name, world_size=world_size, worker_id=worker_id,
                  token_ids=(), start=0, end=0, request_id="")

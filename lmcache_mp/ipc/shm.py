@@ -20,7 +20,6 @@ import logging
 import mmap
 import os
 import re
-import secrets
 from dataclasses import dataclass
 
 from ..errors import InvalidArgument, LMCacheMPError
@@ -77,7 +76,7 @@ class ShmSegment:
         # a stale segment left by a crashed process that had the same pid. The pid
         # namespace says which processes' pids these are (see sweep_dead_segments).
         name = (f"{NAME_PREFIX}{os.getpid()}_{_pid_namespace()}_{next(_counter)}_{tag}_"
-                f"{secrets.token_hex(4)}")
+                f"{os.urandom(4).hex()}")
         path = shm_path(name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -25,7 +25,7 @@ The probe follows lmcache-mp-versions.md section 7, with three refinements:
 
 from __future__ import annotations
 
-import secrets
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,7 +70,7 @@ def unregister_unknown() -> list[bytes]:
     """The frames of an UNREGISTER of a random instance id >= 2**48 that no worker uses:
     a no-op every release answers. Detection's first and last probe; the connection
     also hands it to the transport as the probe of a server that went silent."""
-    return [_enc(2), _enc(2**48 + secrets.randbelow(2**60))]
+    return [_enc(2), _enc(2**48 + int.from_bytes(os.urandom(8), "big") % 2**60)]
 
 
 def _value(frames: list[bytes] | None) -> object:
@@ -118,7 +118,7 @@ def detect(exchange: Exchange, url: str, timeout: float = 2.0, grace: float = 0.
     if "kv_event_stream" in v32:  # 0.5.6 with its event bus; 0.5.7 dropped the tag
         return _newer_than_055(exchange, url, timeout, grace, evidence)
     second = exchange(
-        [("id11", [_enc(11), _enc(f"lmcache-mp-probe-{secrets.token_hex(6)}")]),
+        [("id11", [_enc(11), _enc(f"lmcache-mp-probe-{os.urandom(6).hex()}")]),
          ("ping", [_enc(22), _enc(None)])],
         "ping", timeout,
     )
@@ -140,7 +140,7 @@ def _free_locks_probe(form: str) -> list[bytes]:
     release decodes (on its message thread) and answers only its own form, and drops
     the other (0.5.7 keys carry ``token_bytes``, and a third payload ``extra_ranges``)."""
     common: dict[str, Any] = {"model_name": "lmcache-mp-probe", "world_size": 1, "worker_id": None,
-              "start": 0, "end": 0, "request_id": f"lmcache-mp-probe-{secrets.token_hex(6)}",
+              "start": 0, "end": 0, "request_id": f"lmcache-mp-probe-{os.urandom(6).hex()}",
               "num_kv_readers": 1}
     if form == "0.5.6":
         return [_enc(12), _enc(CacheKeyV055(token_ids=(), **common)), _enc(1)]
