@@ -49,7 +49,7 @@ from ..protocol.types import (
     RegisterEngineDrivenContextPayload,
     RegisterEngineDrivenContextResponse,
 )
-from ..transport import PendingRequest, ReplyFuture, blocking
+from ..transport import PendingRequest, ReplyFuture, Transport, blocking
 from .binding import Binding, BindingEvent, BindingState
 from .blocks import BlockIds, TransferLayout, normalize_block_ids
 from .connection import NO_PAYLOADS, Connection, Payloads
@@ -441,7 +441,7 @@ class Registration:
             cache.end_transfer(server_event, stream, token)
             return bool(ok)
 
-        return ReplyFuture(conn.transport, submit(), finish, resubmit=submit)
+        return _SentBound(conn.transport, submit, finish)
 
     # ------------------------------------------------ engine-driven transfers
     def _prepare(self, op_name: str, key: CacheKey,
@@ -574,6 +574,28 @@ class Registration:
         finally:
             if unlink:
                 self.cache.unlink()
+
+
+class _SentBound(ReplyFuture[bool]):
+    """The future of an LMCache-driven transfer, sent bound to the connection its
+    registration was checked on. If the socket reconnected before it went out, it
+    failed unsent (ConnectionChanged): ``send`` checks the registration again (which
+    re-registers with what may be a restarted server) and sends it again, within the
+    transfer's deadline (it raises once that has passed)."""
+
+    __slots__ = ("_send",)
+
+    def __init__(self, transport: Transport, send: Callable[[], PendingRequest],
+                 finish: Callable[[list[bytes]], bool]) -> None:
+        super().__init__(transport, send(), finish)
+        self._send = send
+
+    def _reply(self) -> list[bytes]:
+        while True:
+            try:
+                return super()._reply()
+            except ConnectionChanged:
+                self._awaiting(self._send())
 
 
 def _true(_: Any) -> bool:

@@ -4,6 +4,10 @@ A ReplyFuture is not an asyncio or concurrent.futures future: there is no I/O
 thread, so ``result()`` drives the socket in the calling thread until the reply (or
 the request's deadline) arrives. Submit many, then collect them in any order.
 
+A future is the reply to one request. A layer above that may send its request again
+(the session's transfers, sent again after a reconnect) subclasses it and overrides
+:meth:`ReplyFuture._reply`; the transport itself never redoes a request.
+
 :func:`blocking` makes the blocking twin ``x()`` of a method ``x_async()``, so that
 each call is written once.
 """
@@ -14,7 +18,7 @@ import functools
 from collections.abc import Callable
 from typing import Concatenate, Generic, ParamSpec, TypeVar
 
-from ..errors import ConnectionChanged, LMCacheMPError
+from ..errors import LMCacheMPError
 from .core import Transport
 from .pending import PendingRequest
 
@@ -26,15 +30,11 @@ S = TypeVar("S")
 
 _UNSET: object = object()
 
-# Submits the request again (after redoing what a restarted server forgot), within
-# the original deadline; raises when that is no longer possible.
-Resubmit = Callable[[], PendingRequest]
-
 
 class ReplyFuture(Generic[T]):
     """The eventual value of one request (or a value the client already knows)."""
 
-    __slots__ = ("_transport", "_request", "_decode", "_value", "_error", "_resubmit")
+    __slots__ = ("_transport", "_request", "_decode", "_value", "_error")
 
     def __init__(
         self,
@@ -42,14 +42,12 @@ class ReplyFuture(Generic[T]):
         request: PendingRequest | None,
         decode: Callable[[list[bytes]], T] | None,
         value: object = _UNSET,
-        resubmit: Resubmit | None = None,
     ) -> None:
         self._transport = transport
         self._request = request
         self._decode = decode
         self._value: object = value
         self._error: LMCacheMPError | None = None
-        self._resubmit = resubmit
 
     @classmethod
     def completed(cls, value: T) -> ReplyFuture[T]:
@@ -81,23 +79,27 @@ class ReplyFuture(Generic[T]):
     def result(self) -> T:
         """The decoded reply; raises the request's error (timeout, unavailable, ...)."""
         if self._value is _UNSET and self._error is None:
-            transport, request, decode = self._transport, self._request, self._decode
-            assert transport is not None and request is not None and decode is not None
+            decode = self._decode
+            assert decode is not None
             try:
-                while True:
-                    try:
-                        frames = transport.wait(request)
-                        break
-                    except ConnectionChanged:
-                        if self._resubmit is None:
-                            raise
-                        request = self._request = self._resubmit()
-                self._value = decode(frames)
+                self._value = decode(self._reply())
             except LMCacheMPError as exc:
                 self._error = exc
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
+
+    def _reply(self) -> list[bytes]:
+        """The reply's frames, waiting for them in this thread. A subclass that sends
+        its request again when it could not go out overrides this, and calls
+        :meth:`_awaiting` with the new request before waiting again."""
+        transport, request = self._transport, self._request
+        assert transport is not None and request is not None
+        return transport.wait(request)
+
+    def _awaiting(self, request: PendingRequest) -> None:
+        """From now on this future is the reply to ``request`` (its request sent again)."""
+        self._request = request
 
     def exception(self) -> LMCacheMPError | None:
         """The error the request ended with, or None; blocks like ``result()``."""
