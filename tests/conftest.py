@@ -157,8 +157,8 @@ def expected_family() -> str:
 # ------------------------------------------------- offline client tests (fake server)
 @pytest.fixture
 def fake() -> Iterator[Any]:
-    """A scripted LMCache 0.5.3 server (tests/fake_server.py), closed after the test."""
-    from .fake_server import FakeServer  # it imports this module
+    """A scripted LMCache 0.5.3 server (tests/support/fake_server.py), closed after the test."""
+    from .support.fake_server import FakeServer  # it imports this module
 
     server = FakeServer()
     yield server

@@ -7,7 +7,7 @@ Builds real ``CpuShmTensorWrapper`` / ``RawCudaIPCWrapper`` / ``CudaIPCWrapper``
 of the installed LMCache (0.5.3) without a tensor or a GPU: ``object.__new__(cls)`` and
 then the attributes in the order the class's ``__init__`` assigns them (that order is the
 ``__dict__`` order pickle writes). Every case is written to ``<out>/v<version>/pickles.json``
-as ``{"template", "fields", "pickle": hex}``; tests/test_pickle_emitter.py checks that
+as ``{"template", "fields", "pickle": hex}``; tests/protocol/test_pickle_emitter.py checks that
 ``lmcache_mp.protocol.pickles.emitter`` reproduces each pickle byte for byte, without lmcache.
 
 Field values are JSON with bytes tagged as ``{"$bytes": hex}``; tuples are lists and the

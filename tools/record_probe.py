@@ -4,12 +4,12 @@
     .venv/bin/python tools/record_probe.py [--versions 0.5.3 0.5.4 0.5.5 0.5.6 0.5.7rc2]
 
 For each release it starts a server from the oracle venv (scripts/lmcache-server.sh, as
-the live tests do), asks the probe's questions (tests/probe_replay.py:record) and writes
+the live tests do), asks the probe's questions (tests/support/probe_replay.py:record) and writes
 the reply frames, as the server encoded them, to fixtures/v<release>/probe.json. 0.5.6
 is recorded twice: as the script starts it (observability off) and with its event bus
 on, when GET_EXPERIMENTAL also lists "kv_event_stream". 0.5.6 and later are also asked
 the questions detection sends only to them (FREE_LOOKUP_LOCKS of an empty range in the
-0.5.6 and the 0.5.7 form). tests/test_detect.py replays
+0.5.6 and the 0.5.7 form). tests/protocol/test_detect.py replays
 these answers offline; a live test checks each release still answers the same.
 """
 
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.conftest import free_port  # noqa: E402
-from tests.probe_replay import record  # noqa: E402
+from tests.support.probe_replay import record  # noqa: E402
 
 SCRIPT = REPO / "scripts" / "lmcache-server.sh"
 ORACLE = Path(os.environ.get("LMCACHE_MP_ORACLE_DIR", REPO / ".oracle"))

@@ -14,7 +14,7 @@ import pytest
 from lmcache_mp import CacheKey, CpuKVCache, InvalidArgument
 from lmcache_mp.protocol import PROFILES, encode_request, get_profile
 
-from ..fixture_values import build, load_all, profile_for
+from ..support.fixture_values import build, load_all, profile_for
 
 REQUESTS = load_all("requests")
 SESSION = Path(__file__).resolve().parents[2] / "lmcache_mp" / "session"

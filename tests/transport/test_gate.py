@@ -12,7 +12,7 @@ from lmcache_mp.errors import ClientClosed, RequestTimeout, ServerUnresponsive
 from lmcache_mp.transport import Transport
 from lmcache_mp.transport.gate import BLOCKING, TRANSITIONS, Gate, GateError, GateEvent, GateState
 
-from ..test_transport import FakeRouter
+from .test_transport import FakeRouter
 
 S, E = GateState, GateEvent
 

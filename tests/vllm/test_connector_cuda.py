@@ -34,8 +34,8 @@ from lmcache_mp.integrations.vllm.worker import WorkerSide
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaKVCache, staging
 from tests.vllm.test_connector_units import with_tokens
 
-from ..fake_cuda import FakeDriver, FakeTensor
-from ..fake_server import FakeServer
+from ..support.fake_cuda import FakeDriver, FakeTensor
+from ..support.fake_server import FakeServer
 
 LAYOUTS = {(x["layout"], x["mla"]): x for x in json.loads(
     (Path(__file__).parents[2] / "fixtures" / "vllm" / "kv_layouts.json").read_text())

@@ -53,7 +53,7 @@ from tests.conftest import (
     oracle_python,
     start_server,
 )
-from tests.live_helpers import both_modes_args
+from tests.support.live_helpers import both_modes_args
 from tests.vllm.engines import WITH_VLLM, ZYGOTE, Zygote, engine_env, site_packages, vllm_python
 
 pytestmark = pytest.mark.live

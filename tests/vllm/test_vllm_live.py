@@ -27,7 +27,7 @@ import pytest
 
 from lmcache_mp import CacheKey, Client, CpuKVCache
 from tests.conftest import REPO, SERVER_SCRIPT, SERVER_VERSION, LiveServer, start_server
-from tests.live_helpers import both_modes_args
+from tests.support.live_helpers import both_modes_args
 from tests.vllm.engines import ENGINE_LOGS, ZYGOTE, Zygote, engine_command, engine_env
 
 pytestmark = pytest.mark.live

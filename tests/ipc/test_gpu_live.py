@@ -1,0 +1,331 @@
+"""The CUDA exporter on a real GPU (skipped, with the reason, where there is none).
+
+The IPC test plays the server in a child process exactly as LMCache does: it opens our
+memory handle, waits on our event, writes the memory on its own stream, and answers
+with its own event, which our stream then waits on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcache_mp.errors import InvalidArgument, LMCacheMPError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bindings() -> tuple[Any, str | None]:
+    """(runtime module, reason to skip GPU tests or None)."""
+    try:
+        from cuda.bindings import runtime as rt
+    except ImportError as exc:
+        return None, f"cuda-bindings is not installed ({exc}): pip install 'lmcache-mp[cuda]'"
+    try:
+        from lmcache_mp.ipc.cuda import CudaBindingsDriver
+
+        drv = CudaBindingsDriver()
+        if drv.driver_version() <= 0:
+            return rt, "no NVIDIA driver on this machine"
+        if drv.device_count() < 1:
+            return rt, "no CUDA device visible"
+    except LMCacheMPError as exc:
+        return rt, f"no usable CUDA device: {exc}"
+    return rt, None
+
+
+RT, NO_GPU = _bindings()
+needs_bindings = pytest.mark.skipif(RT is None, reason=str(NO_GPU))
+needs_gpu = pytest.mark.skipif(NO_GPU is not None, reason=str(NO_GPU))
+
+
+def _torch_cuda() -> Any:
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    return torch
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture
+def cache() -> Iterator[Any]:
+    from lmcache_mp.ipc.cuda import CudaKVCache
+
+    c = CudaKVCache.allocate(num_layers=2, num_blocks=4, block_size=16, num_heads=2,
+                             head_dim=64, dtype="bfloat16")
+    yield c
+    c.close()
+
+
+@needs_bindings
+def test_real_handle_structs_round_trip() -> None:
+    # Works on cuda-bindings with (<= 13.3) and without (>= 13.4) the .reserved field.
+    from lmcache_mp.ipc.cuda import handle_bytes, write_handle_bytes
+
+    for cls in (RT.cudaIpcMemHandle_t, RT.cudaIpcEventHandle_t):
+        data = os.urandom(64)
+        struct = cls()
+        write_handle_bytes(struct, data)
+        assert handle_bytes(struct) == data
+        assert ctypes.string_at(struct.getPtr(), 64) == data
+
+
+@needs_gpu
+def test_allocate_and_export(cache: Any) -> None:
+    from lmcache_mp.ipc.cuda import get_driver
+    from lmcache_mp.protocol import get_profile
+
+    assert len(cache.layer_ptrs) == 2 and len(set(cache.layer_ptrs)) == 2
+    for exp in cache.exports:
+        assert exp.offset == 0 and exp.size >= cache.geometry.layer_nbytes
+        assert len(exp.handle) == 64 and any(exp.handle)
+    assert cache.device_uuid == get_driver().device_info(0).uuid
+    assert [e.device for e in cache.exports] == [0, 0]
+    profile = get_profile("0.5.3")
+    blobs = profile.wrappers.encode(cache.export_layers(), "0.5.3")
+    # wrapper="auto" is torch's CudaIPCWrapper on 0.5.3
+    assert len(blobs) == 2 and b"CudaIPCWrapper" in blobs[0].data
+    assert b"RawCudaIPCWrapper" not in blobs[0].data
+
+
+@needs_gpu
+def test_pointer_device_on_every_device() -> None:
+    """The device comes from cudaPointerGetAttributes, not from DEVICE_ORDINAL (which
+    reads 0 on cuda-bindings 13.3.x-13.4.1): checked on every visible device."""
+    from lmcache_mp.ipc.cuda import export_allocation, get_driver, on_device
+
+    drv = get_driver()
+    for dev in range(drv.device_count()):
+        with on_device(drv, dev):
+            ptr = drv.malloc(1 << 20)
+            try:
+                assert drv.pointer_device(ptr) == dev
+                assert export_allocation(ptr, 1 << 20).device == dev
+            finally:
+                drv.free(ptr)
+
+
+@needs_gpu
+def test_uuid_matches_torch() -> None:
+    from lmcache_mp.ipc.cuda import get_driver
+
+    torch = _torch_cuda()
+    drv = get_driver()
+    for i in range(torch.cuda.device_count()):
+        assert drv.device_info(i).uuid == str(torch.cuda.get_device_properties(i).uuid)
+
+
+@needs_gpu
+def test_non_base_pointer_and_pool_memory_are_refused() -> None:
+    from lmcache_mp.ipc.cuda import export_allocation, get_driver
+
+    drv = get_driver()
+    drv.set_device(0)
+    ptr = drv.malloc(1 << 20)
+    try:
+        with pytest.raises(InvalidArgument, match="into its CUDA allocation"):
+            export_allocation(ptr + 4096, 4096)
+        exp = export_allocation(ptr + 4096, 4096, allow_offset=True)
+        assert exp.base == ptr and exp.offset == 4096
+    finally:
+        drv.free(ptr)
+    err, pool_ptr = RT.cudaMallocAsync(1 << 20, 0)
+    if int(err) != 0:
+        pytest.skip(f"cudaMallocAsync unsupported here: {err}")
+    try:
+        with pytest.raises(InvalidArgument, match="stream-ordered memory pool"):
+            export_allocation(int(pool_ptr), 1 << 20)
+    finally:
+        RT.cudaFreeAsync(pool_ptr, 0)
+        RT.cudaDeviceSynchronize()
+
+
+@needs_gpu
+def test_event_create_and_export(cache: Any) -> None:
+    handle, token = cache.begin_transfer(None)
+    assert len(handle) == 64 and not token.destroyed
+    token.destroy()
+    assert token.destroyed
+
+
+_FAKE_SERVER = r"""
+import sys
+from cuda.bindings import runtime as rt
+from lmcache_mp.ipc.cuda import handle_bytes, write_handle_bytes
+
+def ok(result):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    assert int(err) == 0, err
+    return rest[0] if rest else None
+
+mem, nbytes, event = bytes.fromhex(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+ok(rt.cudaSetDevice(0))
+mh = rt.cudaIpcMemHandle_t(); write_handle_bytes(mh, mem)
+ptr = ok(rt.cudaIpcOpenMemHandle(mh, rt.cudaIpcMemLazyEnablePeerAccess))
+eh = rt.cudaIpcEventHandle_t(); write_handle_bytes(eh, event)
+client_event = ok(rt.cudaIpcOpenEventHandle(eh))
+stream = ok(rt.cudaStreamCreate())
+ok(rt.cudaStreamWaitEvent(stream, client_event, 0))
+ok(rt.cudaMemsetAsync(ptr, 0xAB, nbytes, stream))
+done = ok(rt.cudaEventCreateWithFlags(rt.cudaEventInterprocess | rt.cudaEventDisableTiming))
+ok(rt.cudaEventRecord(done, stream))
+print(handle_bytes(ok(rt.cudaIpcGetEventHandle(done))).hex(), flush=True)
+sys.stdin.readline()  # keep the mapping and the event until the parent has checked
+ok(rt.cudaStreamSynchronize(stream))
+ok(rt.cudaIpcCloseMemHandle(ptr))
+"""
+
+
+@needs_gpu
+def test_ipc_round_trip_with_a_child_process(cache: Any) -> None:
+    nbytes = cache.geometry.layer_nbytes
+    exp = cache.exports[1]
+    handle, token = cache.begin_transfer(None)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _FAKE_SERVER, exp.handle.hex(), str(nbytes), handle.hex()],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_child_env())
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        line = child.stdout.readline().strip()
+        assert len(line) == 128, child.stderr.read() if child.stderr else line
+        cache.end_transfer(bytes.fromhex(line), None, token)
+        assert token.destroyed
+        cache.synchronize()
+        host = (ctypes.c_ubyte * nbytes)()
+        err, = RT.cudaMemcpy(ctypes.addressof(host), exp.ptr, nbytes,
+                             RT.cudaMemcpyKind.cudaMemcpyDeviceToHost)
+        assert int(err) == 0
+        assert bytes(host) == b"\xab" * nbytes
+        # Layer 0 was not touched.
+        err, = RT.cudaMemcpy(ctypes.addressof(host), cache.exports[0].ptr, nbytes,
+                             RT.cudaMemcpyKind.cudaMemcpyDeviceToHost)
+        assert bytes(host) == bytes(nbytes)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0, child.stderr.read() if child.stderr else ""
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+@needs_gpu
+def test_torch_views(cache: Any) -> None:
+    torch = _torch_cuda()
+    layers = cache.torch_layers
+    g = cache.geometry
+    assert [t.data_ptr() for t in layers] == cache.layer_ptrs
+    assert layers[0].shape == g.layer_shape and layers[0].dtype == torch.bfloat16
+    assert int(layers[0].count_nonzero()) == 0  # allocate() zero-fills
+    layers[1].fill_(1.5)
+    assert float(layers[1].float().mean()) == 1.5
+    view = layers[1]
+    cache.close()
+    # A view handed out keeps its memory alive after close.
+    assert float(view.float().sum()) == 1.5 * view.numel()
+
+
+@needs_gpu
+def test_torch_allocator_memory() -> None:
+    from lmcache_mp.ipc.cuda import CudaKVCache
+
+    torch = _torch_cuda()
+    from lmcache_mp.protocol import get_profile
+
+    big = torch.zeros((2, 2, 4, 2, 16, 64), dtype=torch.bfloat16, device="cuda")
+    raw = CudaKVCache.from_torch([big[1]], wrapper="raw")
+    with pytest.raises(InvalidArgument, match="into its CUDA allocation"):
+        get_profile("0.5.3").wrappers.encode(raw.export_layers(), "0.5.3")
+    get_profile("0.5.5").wrappers.encode(raw.export_layers(), "0.5.5")  # carries it
+    c = CudaKVCache.from_torch([big[0], big[1]])
+    assert c.exports[1].offset == c.exports[0].offset + big[0].numel() * 2
+    c.close()
+    raw.close()
+
+
+@needs_gpu
+def test_vllm_style_permuted_views_copy_like_the_cpu_path() -> None:
+    """Logical NHD views of HND memory, all in one torch allocation (what vLLM hands an
+    HND backend's connector): from_torch registers HND at each layer's offset, and an
+    engine-driven STORE puts the same bytes in the slots as CpuKVCache.wrap of the same
+    views copied to the host."""
+    import numpy as np
+
+    from lmcache_mp import CpuKVCache
+    from lmcache_mp.ipc.cuda import CudaKVCache, staging
+    from lmcache_mp.session.engine_driven import copy_into_slots
+
+    from .test_cuda_engine_driven import CHUNK, pool_and_slots
+
+    torch = _torch_cuda()
+    nl, nb, bs, nh, hd = 2, 12, 16, 4, 32
+    n = 2 * nb * nh * bs * hd
+    big = torch.randn(256 + nl * n, device="cuda").to(torch.float16)
+    views = [big[256 + i * n: 256 + (i + 1) * n].view(2, nb, nh, bs, hd).permute(0, 1, 3, 2, 4)
+             for i in range(nl)]
+    cache = CudaKVCache.from_torch(views, layout="NHD")
+    assert cache.kv_layout == "HND" and [e.offset for e in cache.exports][1] - \
+        cache.exports[0].offset == n * 2
+    cpu = CpuKVCache.wrap([v.cpu().numpy() for v in views], layout="NHD", block_size=bs)
+    ids = np.array([3, 4, 9, 1, 2, 5, 7, 8][: 2 * CHUNK // bs], np.int64)
+    got = []
+    try:
+        for c in (cache, cpu):
+            pool, slots, buf = pool_and_slots(c.geometry, 2)
+            copy_into_slots(c, ids, slots, [1, 0], pool, CHUNK)  # type: ignore[arg-type]
+            got.append(buf.tobytes())
+            if c is cache:
+                staging.unpin(pool.view)
+    finally:
+        cache.close()
+    assert got[0] == got[1] and any(got[0])
+
+
+@needs_gpu
+def test_default_stream_is_torchs_current_stream(cache: Any) -> None:
+    torch = _torch_cuda()
+    side = torch.cuda.Stream()  # torch's pool streams are cudaStreamNonBlocking
+    with torch.cuda.stream(side):
+        _, token = cache.begin_transfer(None)
+    assert token.stream == side.cuda_stream != 0
+    token.destroy()
+
+
+@needs_gpu
+def test_expandable_segments_are_refused() -> None:
+    pytest.importorskip("torch")
+    code = (
+        "import torch\n"
+        "from lmcache_mp.ipc.cuda import CudaKVCache\n"
+        "from lmcache_mp.errors import InvalidArgument\n"
+        # 8 MiB: from the large pool, where expandable segments surely apply.
+        "t = torch.zeros((2, 256, 8, 16, 64), dtype=torch.bfloat16, device='cuda')\n"
+        "try:\n"
+        "    CudaKVCache.from_torch([t])\n"
+        "    print('ACCEPTED')\n"
+        "except InvalidArgument as e:\n"
+        "    print('REFUSED', e)\n"
+    )
+    env = _child_env()
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("REFUSED"), proc.stdout
+    assert "expandable" in proc.stdout

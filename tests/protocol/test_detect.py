@@ -1,0 +1,242 @@
+"""Protocol detection (sans-I/O ``detect``) driven by the answers real servers gave.
+
+fixtures/v<release>/probe.json holds each release's recorded answers to the probe's
+questions (tools/record_probe.py; 0.5.6 with and without its event bus, whose
+GET_EXPERIMENTAL then lists "kv_event_stream"). :class:`tests.support.probe_replay.Replay` plays
+them back as ``detect``'s exchange, and refuses any request no recording proves
+harmless. 0.4.7 and 0.5.0 have no oracle venv here; their answers are scripted from
+lmcache-mp-versions.md section 7.3, which was measured live. A live test checks that
+the release under test still answers as recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from lmcache_mp import CacheKey, Client, ProtocolMismatch, RequestTimeout
+from lmcache_mp.protocol.detect import detect
+
+from ..conftest import SERVER_VERSION, LiveServer
+from ..support.fake_server import FakeServer
+from ..support.fixture_values import FIXTURES, RELEASES, load
+from ..support.probe_replay import Replay, record
+
+URL = "tcp://127.0.0.1:1"
+RECORDED = [(rel, case) for rel in RELEASES for case in load(rel, "probe")]
+FAMILY = RELEASES  # release -> profile
+
+
+def hexed(*values: Any) -> list[str]:
+    return [msgspec.msgpack.encode(v).hex() for v in values]
+
+
+# lmcache-mp-versions.md 7.3: 0.5.0 answers id 21 as NOOP ("OK"); 0.4.7 has no handler
+# for it (a blend op); neither answers ids 32 or 11 (decode fails / no handler).
+ACK = ["02"]
+V050 = {"unregister_unknown": ACK, "get_chunk_size_or_noop": hexed(21, "OK"),
+        "get_experimental": None, "query_lookup_hits": None, "ping": None}
+V047 = {**V050, "get_chunk_size_or_noop": None}
+
+
+def _id(item: tuple[str, dict[str, Any]]) -> str:
+    return f"{item[0]}-{item[1]['server']}"
+
+
+def test_every_release_has_a_recording_and_0_5_6_has_both_event_bus_states() -> None:
+    for release in RELEASES:
+        assert (FIXTURES / f"v{release}" / "probe.json").exists(), release
+    experimental = [c["replies"]["get_experimental"] for c in load("0.5.6", "probe")]
+    lists = [msgspec.msgpack.decode(bytes.fromhex(r[1])) for r in experimental if r]
+    assert [] in lists and ["kv_event_stream"] in lists
+
+
+@pytest.mark.parametrize("item", RECORDED, ids=_id)
+def test_each_release_is_detected_from_its_recorded_answers(
+        item: tuple[str, dict[str, Any]]) -> None:
+    release, case = item
+    replay = Replay(case["replies"])
+    found = detect(replay, URL, timeout=0.5, grace=0.1)
+    assert found.profile == FAMILY[release]
+    assert found.releases == {"0.5.3": "0.5.3/0.5.4", "0.5.5": "0.5.5",
+                              "0.5.6": "0.5.6", "0.5.7": "0.5.7"}[FAMILY[release]]
+    asked = [q for q, _ in replay.sent]
+    assert asked[:4] == ["unregister_unknown", "get_chunk_size_or_noop", "get_experimental",
+                         "unregister_unknown"]
+    # 0.5.3/0.5.4 and an event-bus 0.5.6 are told apart in one round trip; only a
+    # GET_EXPERIMENTAL without the event stream needs the pool-run question.
+    newer = FAMILY[release] in ("0.5.6", "0.5.7")
+    second_round = FAMILY[release] == "0.5.5" or case["server"] == "default" and newer
+    assert ("query_lookup_hits" in asked) == second_round
+    # A prompt answer to id 11 needs no grace exchange; only a missing one waits.
+    waited = second_round and case["replies"]["query_lookup_hits"] is None
+    # 0.5.6 and later: one more round, which key form the server accepts.
+    assert (asked[-3:] == ["free_locks_056", "free_locks_057", "ping"]) == newer
+    assert replay.calls == 1 + second_round + waited + newer
+    v32 = case["replies"]["get_experimental"]
+    evidence = ["id 2 -> <ack>", "id 21 -> 256",
+                f"id 32 -> {msgspec.msgpack.decode(bytes.fromhex(v32[1])) if v32 else None!r}"]
+    if second_round:
+        evidence.append("id 11 -> 0" if FAMILY[release] == "0.5.5" else "id 11 -> None")
+    if newer:
+        evidence += [f"FREE_LOOKUP_LOCKS 0.5.6 form -> {'ack' if found.profile == '0.5.6' else None}",
+                     f"FREE_LOOKUP_LOCKS 0.5.7 form -> {'ack' if found.profile == '0.5.7' else None}"]
+    assert list(found.evidence) == evidence
+
+
+def test_a_0_5_5_pool_answering_after_the_ping_fence_is_still_0_5_5() -> None:
+    (case,) = load("0.5.5", "probe")
+    replay = Replay(case["replies"], late=frozenset({"query_lookup_hits"}))
+    assert detect(replay, URL, timeout=0.5, grace=0.1).profile == "0.5.5"
+    assert len(replay.sent) == 6  # the grace exchange sends nothing new
+
+
+def test_grace_zero_sends_no_grace_exchange() -> None:
+    (case,) = [c for c in load("0.5.6", "probe") if c["server"] == "default"]
+    replay = Replay(case["replies"])
+    assert detect(replay, URL, timeout=0.5, grace=0.0).profile == "0.5.6"
+    assert replay.calls == 3
+
+
+@pytest.mark.parametrize("lost", ["unregister_unknown_first", "fence"])
+def test_one_lost_liveness_reply_is_not_a_dead_server(lost: str) -> None:
+    """Either UNREGISTER answered proves the message thread alive."""
+    (case,) = load("0.5.3", "probe")
+
+    class OneLost(Replay):
+        def __call__(self, batch: Any, until: str, timeout: float) -> Any:
+            out = super().__call__(batch, until, timeout)
+            out["alive" if lost == "unregister_unknown_first" else "fence"] = None
+            return out
+
+    assert detect(OneLost(case["replies"]), URL, timeout=0.5).profile == "0.5.3"
+
+
+def test_probe_instance_ids_never_repeat() -> None:
+    """The UNREGISTER probes name random instances >= 2**48 that no worker uses."""
+    ids = set()
+    for _ in range(60):
+        replay = Replay(load("0.5.3", "probe")[0]["replies"])
+        detect(replay, URL, timeout=0.5)
+        ids.update(frames[1] for q, frames in replay.sent if q == "unregister_unknown")
+    assert len(ids) == 120 and min(ids) >= 2**48 and max(ids) < 2**63
+
+
+def test_0_5_0_is_refused_with_the_upgrade_advice() -> None:
+    with pytest.raises(ProtocolMismatch, match=r"0\.5\.0.*upgrade the server"):
+        detect(Replay(V050), URL, timeout=0.5)
+
+
+def test_0_4_7_is_refused_as_older_than_0_5_0() -> None:
+    with pytest.raises(ProtocolMismatch, match="older than 0.5.0"):
+        detect(Replay(V047), URL, timeout=0.5)
+
+
+def test_a_server_that_answers_nothing_is_a_timeout_not_a_mismatch() -> None:
+    silent = dict.fromkeys(V050)
+    with pytest.raises(RequestTimeout, match="answered no probe"):
+        detect(Replay(silent), URL, timeout=0.5)
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"get_experimental": hexed(32, 7)}, "unexpected reply to id 32"),
+    ({"query_lookup_hits": hexed(11, "zero")}, "unexpected reply to id 11"),
+    ({"get_chunk_size_or_noop": hexed(21, True)}, "did not answer GET_CHUNK_SIZE"),
+    ({"get_experimental": ["20", "c1"]}, "id 32 from .*'<undecodable>'"),
+])
+def test_answers_no_release_gives_are_refused(change: dict[str, Any], error: str) -> None:
+    (case,) = load("0.5.5", "probe")
+    with pytest.raises(ProtocolMismatch, match=error):
+        detect(Replay({**case["replies"], **change}), URL, timeout=0.5)
+
+
+def test_a_server_that_stops_answering_mid_probe_is_a_timeout() -> None:
+    (case,) = load("0.5.5", "probe")
+    with pytest.raises(RequestTimeout, match="stopped answering"):
+        detect(Replay({**case["replies"], "ping": None}), URL, timeout=0.5)
+
+
+@pytest.mark.parametrize("family", ["0.5.3", "0.5.5", "0.5.6", "0.5.7"])
+def test_client_auto_detects_the_scripted_server_of_each_family(family: str) -> None:
+    """End to end through Client and its connection's probe exchange."""
+    fake = FakeServer(profile=family, engine_driven=False)
+    try:
+        with Client(fake.url, timeout=2) as c:
+            assert c.server_protocol == family
+            assert c.detection is not None and c.detection.profile == family
+            assert c.noop() == "OK"
+    finally:
+        fake.close()
+
+
+@pytest.mark.live
+def test_the_live_server_still_answers_as_recorded(live_server: LiveServer) -> None:
+    """The recordings above stay true: the release under test answers the same."""
+    (default,) = [c for c in load(SERVER_VERSION, "probe") if c["server"] == "default"]
+    newer = FAMILY[SERVER_VERSION] in ("0.5.6", "0.5.7")  # asked the key-form questions
+    assert record(live_server.url, wait=1.5, newer=newer) == default["replies"]
+
+
+# ------------------------------------------------------- a server newer than the client
+def test_a_release_accepting_neither_key_form_is_refused_with_what_to_do() -> None:
+    """A newer release that answers like 0.5.7 on every harmless question but changed
+    its key (or FREE_LOOKUP_LOCKS) again: refused, never mapped onto 0.5.7 or 0.5.6."""
+    (case,) = load("0.5.7rc2", "probe")
+    future = {**case["replies"], "free_locks_057": None}
+    with pytest.raises(ProtocolMismatch) as err:
+        detect(Replay(future), URL, timeout=0.5, grace=0.05)
+    message = str(err.value)
+    assert "answers like none of the releases" in message
+    assert "FREE_LOOKUP_LOCKS 0.5.6 form -> None; FREE_LOOKUP_LOCKS 0.5.7 form -> None" in message
+    assert "id 32 -> []" in message and "id 11 -> None" in message
+    assert "Upgrade lmcache-mp" in message and "protocol='0.5.7'" in message
+
+
+def test_a_server_accepting_both_key_forms_is_refused() -> None:
+    (case,) = load("0.5.7rc2", "probe")
+    both = {**case["replies"], "free_locks_056": case["replies"]["free_locks_057"]}
+    with pytest.raises(ProtocolMismatch, match="answers like none"):
+        detect(Replay(both), URL, timeout=0.5)
+
+
+def test_an_event_bus_server_is_still_asked_for_its_key_form() -> None:
+    """"kv_event_stream" alone no longer names 0.5.6: a later release may list it too."""
+    (case,) = [c for c in load("0.5.6", "probe") if c["server"] == "event_bus"]
+    future = {**case["replies"], "free_locks_056": None}
+    with pytest.raises(ProtocolMismatch, match="answers like none"):
+        detect(Replay(future), URL, timeout=0.5, grace=0.0)
+
+
+def test_a_late_pool_reply_to_the_key_probe_is_waited_for() -> None:
+    (case,) = load("0.5.7rc2", "probe")
+    replay = Replay(case["replies"], late=frozenset({"free_locks_057"}))
+    assert detect(replay, URL, timeout=0.5, grace=0.1).profile == "0.5.7"
+
+
+class FutureServer(FakeServer):
+    """A scripted ROUTER imitating a release after 0.5.7: it answers every harmless
+    probe as 0.5.7 does, but its key carries the tokens under a field no release this
+    client knows has (so, like a real server, it drops both key forms it is sent)."""
+
+    def __init__(self) -> None:
+        super().__init__(profile="0.5.7", engine_driven=False)
+        self.token_field = "token_words"
+
+
+def test_client_refuses_a_future_release_before_any_data_plane_request() -> None:
+    fake = FutureServer()
+    try:
+        with Client(fake.url, timeout=2) as c:
+            key = CacheKey(model_name="m", world_size=1, worker_id=None,
+                           token_ids=list(range(512)), start=0, end=512, request_id="r")
+            for call in (c.noop, lambda: c.lookup(key)):
+                with pytest.raises(ProtocolMismatch, match="answers like none of the releases"):
+                    call()
+        # Only the probe's own questions reached it (the key probes were dropped, so
+        # not even they were recorded): no NOOP, LOOKUP, STORE or anything else.
+        assert set(fake.ops()) <= {"UNREGISTER_KV_CACHE", "GET_CHUNK_SIZE", "GET_EXPERIMENTAL",
+                                   "PING"}
+    finally:
+        fake.close()
