@@ -5,9 +5,10 @@ tests/support/fake_server.py or a raw ROUTER; each fails without its fix.
    (ServerUnresponsive, fail fast, lift on an answer or a reconnect);
 2. local validation gaps (timeouts, wait_for_lookup, block allocation records, huge
    caches, one geometry per model, the server's chunk size, no bare exceptions);
-3. the SHM sweep of dead processes' segments (see also tests/live/test_leaks.py);
-4. malformed engine-driven contexts still send the releasing COMMIT; oversized replies;
-5. URL checks.
+4. malformed engine-driven contexts still send the releasing COMMIT; oversized replies.
+
+Findings 3 (the SHM sweep) and 5 (URL checks) are tested in tests/ipc/test_shm_sweep.py
+and tests/session/test_urls_and_errors.py.
 """
 
 from __future__ import annotations
@@ -15,16 +16,12 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
-import zmq
 
 import lmcache_mp.ipc.cpu_cache as cpu_cache_mod
 from lmcache_mp import (
@@ -34,18 +31,15 @@ from lmcache_mp import (
     CpuKVCache,
     EngineGroupInfo,
     InvalidArgument,
-    LMCacheMPError,
     ProtocolMismatch,
     RequestTimeout,
     ServerUnavailable,
     ServerUnresponsive,
 )
-from lmcache_mp.cli import main as cli_main
 from lmcache_mp.ipc import shm
-from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR, sweep_dead_segments
+from lmcache_mp.ipc.shm import SHM_DIR
 from lmcache_mp.transport import MAX_REPLY_BYTES
 
-from ..conftest import free_port
 from ..support.fake_server import FakeServer, slot_geometry
 from ..support.live_helpers import our_segments
 
@@ -55,7 +49,6 @@ CHUNK = 256
 # tell "at once" from "at the deadline" (every deadline here is >= 0.3 s).
 SLACK = 0.3
 FAST = 0.2
-
 
 
 def tokens(n_chunks: int = 1, seed: int = 0) -> list[int]:
@@ -163,7 +156,6 @@ def test_protocol_detection_against_a_silent_server_is_unresponsive(fake: FakeSe
         # The detection's fence, answered late, lifts the gate (the fake answers
         # what it received once it speaks again only for new requests: a re-probe).
         assert wait_until(lambda: timed(c.noop)[1] is None, timeout=2.5)
-
 
 
 def test_waiting_for_another_threads_protocol_probe_keeps_the_deadline() -> None:
@@ -342,116 +334,6 @@ def test_argument_errors_are_lmcache_mp_errors(fake: FakeServer, kv: CpuKVCache)
     assert k.token_ids == (0, 1, 2, 3)
 
 
-# ===================================================== 3. the sweep (local)
-_CHILD = """
-import sys, time
-from lmcache_mp import CpuKVCache
-kv = CpuKVCache.allocate(num_layers=2, num_blocks=4, block_size=16, num_heads=1, head_dim=8)
-print(" ".join(n[1:] for n in kv.segment_names), flush=True)
-time.sleep(60)
-"""
-
-
-def _child_with_a_cache() -> tuple[subprocess.Popen[str], list[str]]:
-    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
-    assert child.stdout is not None
-    names = child.stdout.readline().split()
-    assert len(names) == 2 and all(os.path.exists(os.path.join(SHM_DIR, n)) for n in names)
-    return child, names
-
-
-def _ours(name: str) -> bool:
-    return os.path.exists(os.path.join(SHM_DIR, name))
-
-
-def test_a_sigkilled_process_segments_are_swept_and_a_live_ones_kept() -> None:
-    dead, dead_names = _child_with_a_cache()
-    live, live_names = _child_with_a_cache()
-    try:
-        dead.kill()
-        dead.wait()
-        assert all(_ours(n) for n in dead_names)  # SIGKILL unlinks nothing
-        with CpuKVCache.allocate(num_layers=1, num_blocks=4, block_size=16, num_heads=1,
-                                 head_dim=8) as mine:
-            assert not any(_ours(n) for n in dead_names)  # swept by the allocation
-            assert all(_ours(n) for n in live_names)  # the live process's are kept
-            assert all(_ours(n[1:]) for n in mine.segment_names)
-    finally:
-        live.kill()
-        live.wait()
-    assert sweep_dead_segments().removed == tuple(sorted(live_names))
-
-
-def test_a_zombie_and_a_recycled_pid_are_swept_other_namespaces_and_formats_never() -> None:
-    ns = shm._pid_namespace()
-    old = time.time() - 600
-    made: list[str] = []
-
-    def segment(pid: int, ns_id: int, mtime: float | None = None, tag: str = "kv") -> str:
-        name = f"{NAME_PREFIX}{pid}_{ns_id}_0_{tag}_{os.urandom(4).hex()}"
-        path = os.path.join(SHM_DIR, name)
-        with open(path, "wb") as f:
-            f.write(b"x")
-        if mtime is not None:
-            os.utime(path, (mtime, mtime))
-        made.append(name)
-        return name
-
-    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        assert wait_until(lambda: open(f"/proc/{zombie.pid}/stat").read().split(") ")[1][0]
-                          == "Z")  # exited, not yet reaped
-        of_zombie = segment(zombie.pid, ns)
-        recycled = segment(sleeper.pid, ns, mtime=old)  # made before the sleeper started
-        of_parent = segment(os.getppid(), ns)  # a live process that started earlier
-        other_ns = segment(999_999_999, ns + 1)  # pids of another namespace: unknown
-        legacy = f"{NAME_PREFIX}{999_999_999}_0_kv_{os.urandom(4).hex()}"  # old format
-        open(os.path.join(SHM_DIR, legacy), "wb").close()
-        made.append(legacy)
-        listed = sweep_dead_segments(dry_run=True)
-        assert {of_zombie, recycled} <= set(listed.removed) and all(map(_ours, made))
-        swept = sweep_dead_segments()
-        assert {of_zombie, recycled} <= set(swept.removed)
-        assert not _ours(of_zombie) and not _ours(recycled)
-        assert _ours(of_parent) and _ours(other_ns) and _ours(legacy)
-    finally:
-        for name in made:
-            if _ours(name):
-                os.unlink(os.path.join(SHM_DIR, name))
-        zombie.wait()
-        sleeper.kill()
-        sleeper.wait()
-
-
-def _dead_children(n: int) -> list[str]:
-    # All started before any dies: a child's own allocation sweeps the others'.
-    children = [_child_with_a_cache() for _ in range(n)]
-    names = []
-    for child, child_names in children:
-        child.kill()
-        child.wait()
-        names += child_names
-    return names
-
-
-def test_the_clean_command_and_doctor_clean(capsys: pytest.CaptureFixture[str]) -> None:
-    names = _dead_children(2)
-    assert cli_main(["clean", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    assert all(f"would remove {SHM_DIR}/{n}" in out for n in names)
-    assert all(_ours(n) for n in names)
-    assert cli_main(["clean"]) == 0
-    assert not any(_ours(n) for n in names)
-    out = capsys.readouterr().out
-    assert all(f"removed {SHM_DIR}/{n}" in out for n in names)
-    names = _dead_children(1)
-    assert cli_main(["doctor", "--clean"]) == 0
-    assert not any(_ours(n) for n in names)
-    out = capsys.readouterr().out
-    assert all(f"removed {SHM_DIR}/{n}" in out for n in names)
-
-
 # ================================ 4. malformed engine-driven contexts, big replies
 def _corrupt_store(fake: FakeServer, how: str) -> None:
     def hook(payloads: list[Any]) -> Any:
@@ -538,64 +420,3 @@ def test_an_oversized_reply_fails_fast_and_the_client_reconnects(fake: FakeServe
         # new one, so the next call works.
         took, err = timed(c.get_experimental)
         assert err is None and took < 1.0
-
-
-# ================================================================ 5. URLs
-@pytest.mark.parametrize("url", [
-    "inproc://lmcache", "tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://127.0.0.1",
-    "tcp://127.0.0.1:", "tcp://:5555", "tcp://*:5555", "tcp://127.0.0.1:55a", "tcp://::1:5555",
-    "tcp://127.0.0.1:5555/x", " tcp://127.0.0.1:5555", "127.0.0.1:5555", "udp://127.0.0.1:5",
-    "ipc://", "pgm://eth0;239.192.1.1:5555", "", 5555, None,
-])
-def test_malformed_urls_are_refused(url: Any) -> None:
-    with pytest.raises(InvalidArgument):
-        Client(url)
-
-
-@pytest.mark.parametrize("url", ["tcp://10.1.2.3:5555", "tcp://example.com:5555",
-                                 "tcp://[2001:db8::1]:5555", "tcp://192.168.0.7:5555"])
-def test_remote_hosts_need_allow_remote(url: str) -> None:
-    with pytest.raises(InvalidArgument, match="pickle.*allow_remote=True"):
-        Client(url)
-    Client(url, allow_remote=True, heartbeat_interval=None).close()
-
-
-@pytest.mark.parametrize("url", ["tcp://127.0.0.1:{port}", "tcp://127.8.9.10:{port}",
-                                 "tcp://localhost:{port}", "tcp://[::1]:{port}",
-                                 "tcp://0.0.0.0:{port}", "ipc://{tmp}/server.sock",
-                                 "ipc://@lmcache-mp-test-{pid}"])
-def test_loopback_and_ipc_urls_are_accepted_and_reached(url: str, tmp_path: Any) -> None:
-    """Each form of a local address is accepted without allow_remote, and the client
-    then reaches a server listening there (a NOOP answered)."""
-    url = url.format(port=free_port(), tmp=tmp_path, pid=os.getpid())
-    bind = url.replace("localhost", "127.0.0.1")
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.setsockopt(zmq.IPV6, 1)
-    router.bind(bind)
-
-    def serve() -> None:
-        if router.poll(3000):
-            ident, uid, typ = router.recv_multipart()
-            assert msgspec.msgpack.decode(typ) == 24  # NOOP
-            router.send_multipart([ident, uid, typ, msgspec.msgpack.encode("OK")])
-
-    th = threading.Thread(target=serve)
-    th.start()
-    try:
-        with Client(url, protocol="0.5.3", heartbeat_interval=None, timeout=2.0) as c:
-            assert c.noop() == "OK"
-    finally:
-        th.join()
-        router.close(0)
-        ctx.term()
-
-
-def test_every_public_error_is_an_lmcache_mp_error() -> None:
-    import lmcache_mp
-
-    for name in lmcache_mp.errors.__all__:
-        assert issubclass(getattr(lmcache_mp, name), LMCacheMPError)
-    assert issubclass(ServerUnresponsive, ServerUnavailable)
-    assert not issubclass(ServerUnresponsive, RequestTimeout)
