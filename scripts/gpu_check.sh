@@ -441,9 +441,10 @@ else
     t0=$SECONDS
     # The device's own cuda-bindings; live tests need the oracle venvs, absent there.
     run_step pytest "$t" env PYTHONPATH="$site/common:$repo" LMCACHE_MP_SKIP_LIVE=1 \
-      "$test_py" -m pytest -q -rs -p no:cacheprovider tests/test_gpu_live.py \
-      tests/test_cuda_events.py tests/test_cuda_exporter.py tests/test_cuda_vmm.py \
-      tests/test_codec_fixtures.py tests/test_cuda_engine_driven.py tests/test_doctor_box.py
+      "$test_py" -m pytest -q -rs -p no:cacheprovider tests/ipc/test_gpu_live.py \
+      tests/ipc/test_cuda_events.py tests/ipc/test_cuda_exporter.py tests/ipc/test_cuda_vmm.py \
+      tests/protocol/test_codec_fixtures.py tests/ipc/test_cuda_engine_driven.py \
+      tests/cli/test_doctor_box.py
     rc=$?
     line=$(grep -E "passed|failed|error" "$work/step.log" | tail -1)
     if ((rc == 0)); then record pytest ok "$line" $((SECONDS - t0))
