@@ -105,19 +105,50 @@ def cpu_per_call_us(fn: Callable[[], object], n: int) -> float:
     return (time.process_time() - start) / n * 1e6
 
 
-def import_ms(python: str, runs: int) -> tuple[float, float]:
-    """Median wall time of ``import lmcache_mp`` in a fresh interpreter, minus that of
-    the bare interpreter (same python, same flags), and the bare time, in ms."""
+def import_ms(python: str, runs: int, root: Path = REPO) -> tuple[float, float]:
+    """Median wall time of ``import lmcache_mp`` (from the checkout ``root``) in a fresh
+    interpreter, minus that of the bare interpreter (same python, same flags), and the
+    bare time, in ms."""
     def median_ms(code: str) -> float:
         times = []
         for _ in range(runs):
             t0 = time.perf_counter()
-            subprocess.run([python, "-c", code], check=True, cwd=REPO)
+            subprocess.run([python, "-c", code], check=True, cwd=root)
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
     bare = median_ms("pass")
     return median_ms("import lmcache_mp") - bare, bare
+
+
+# Client CPU per NOOP over a bare DEALER's, in a process of its own, so that another
+# checkout's lmcache_mp (--baseline-root) is measured the same way in the same run.
+CPU_RATIO_SNIPPET = """
+import json, statistics, sys, time
+import msgspec, zmq
+from lmcache_mp import Client
+url, n = sys.argv[1], int(sys.argv[2])
+c = Client(url, timeout=10)
+ctx = zmq.Context(); s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(url)
+nf = msgspec.msgpack.encode(24); uids = iter(range(1 << 62))
+def bare():
+    s.send_multipart([msgspec.msgpack.encode(next(uids)), nf]); s.recv_multipart()
+def cpu(fn):
+    t = time.process_time()
+    for _ in range(n):
+        fn()
+    return time.process_time() - t
+for _ in range(200):
+    bare(); c.noop()
+print(json.dumps(statistics.median(cpu(c.noop) / cpu(bare) for _ in range(5))))
+c.close(); s.close(0); ctx.term()
+"""
+
+
+def cpu_ratio_in(python: str, root: Path, url: str, n: int) -> float:
+    out = subprocess.run([python, "-c", CPU_RATIO_SNIPPET, url, str(n)], check=True,
+                         cwd=root, capture_output=True, text=True).stdout
+    return float(json.loads(out.strip().splitlines()[-1]))
 
 
 def p50_us(fn: Callable[[], object], n: int) -> float:
@@ -148,6 +179,9 @@ def main() -> int:
     ap.add_argument("--json", help="write results here too")
     ap.add_argument("--python", default=str(REPO / ".venv/bin/python"),
                     help="the interpreter import time is measured with (ours: .venv)")
+    ap.add_argument("--baseline-root", type=Path,
+                    help="another checkout (e.g. a git worktree of an older commit): its "
+                         "import time and CPU per NOOP are measured in the same rounds")
     ap.add_argument("--cpu-guard", type=float, default=1.15,
                     help="exit 1 when our CPU per NOOP exceeds this times a bare DEALER's")
     ap.add_argument("--import-guard-ms", type=float, default=100.0,
@@ -207,6 +241,12 @@ def main() -> int:
             results["noop_cpu_us.bare"].append(cpu_per_call_us(bare_noop, args.calls))
             results["noop_cpu_us.ours"].append(cpu_per_call_us(ours.noop, args.calls))
             results["import_ms.ours"].append(import_ms(python, 3)[0])
+            if args.baseline_root:
+                for name, root in (("baseline", args.baseline_root), ("current", REPO)):
+                    results.setdefault(f"import_ms.{name}", []).append(
+                        import_ms(python, 3, root)[0])
+                    results.setdefault(f"noop_cpu_ratio.{name}", []).append(
+                        cpu_ratio_in(python, root, url, args.calls))
             results["noop_us.ours_registered_hb10s"].append(per_call_us(ours_hb.noop, args.calls))
             results["noop_us.ours_registered_hb50ms"].append(
                 per_call_us(ours_fast_hb.noop, args.calls))
@@ -232,6 +272,12 @@ def main() -> int:
             "pipelined ours/lmcache (throughput, higher is better)":
                 med["pipelined_rps.ours"] / med["pipelined_rps.lmcache"],
         }
+        if args.baseline_root:
+            for name in ("baseline", "current"):
+                ratios[f"noop client CPU / bare, {name} (own process)"] = \
+                    med[f"noop_cpu_ratio.{name}"]
+            ratios["import time current / baseline"] = \
+                med["import_ms.current"] / med["import_ms.baseline"]
         print(f"server {url}, {args.rounds} alternating rounds, medians "
               f"(cpu count {os.cpu_count()}):")
         for k, v in med.items():
