@@ -417,7 +417,7 @@ class Registration:
                      extra: Payloads, deadline: float, stream: Any) -> ReplyFuture[bool]:
         """STORE / RETRIEVE: the server copies between the registered cache and its L1."""
         conn, cache, state = self._conn, self.cache, self._state
-        worker = self._worker(key)
+        worker, instance_id = self._worker(key), self.instance_id
         # The event orders the server's copy after the caller's stream (CUDA); the
         # token (the event) must live until the reply. A CPU server ignores it.
         event, token = cache.begin_transfer(stream)
@@ -427,7 +427,7 @@ class Registration:
             b = self._bound(deadline)
             wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key, worker)
             sent_at = time.monotonic()
-            op, p = conn.submit(op_name, {"key": wire, "instance_id": self.instance_id,
+            op, p = conn.submit(op_name, {"key": wire, "instance_id": instance_id,
                                           "block_ids": groups, "event_ipc_handle": event,
                                           **extra},
                                 unsent(deadline, op_name), epoch=b.epoch)
@@ -450,12 +450,12 @@ class Registration:
         reply frames, not yet decoded (a reply that cannot be read must still be followed
         by the COMMIT that releases what the server took)."""
         conn = self._conn
+        worker, instance_id = self._worker(key), self.instance_id
         while True:
             b = self._bound(deadline)
-            wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key,
-                                                                            self._worker(key))
+            wire = conn.profile_for(unsent(deadline, op_name)).transfer_key(key, worker)
             sent_at = time.monotonic()
-            op, p = conn.submit(op_name, {"key": wire, "instance_id": self.instance_id},
+            op, p = conn.submit(op_name, {"key": wire, "instance_id": instance_id},
                                 unsent(deadline, op_name), epoch=b.epoch)
             try:
                 frames = conn.transport.wait(p)
