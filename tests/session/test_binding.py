@@ -21,7 +21,7 @@ from lmcache_mp.session.binding import (
     BindingStatus,
 )
 
-from ..fake_server import FakeServer
+from ..support.fake_server import FakeServer
 
 S, E = BindingStatus, BindingEvent
 
