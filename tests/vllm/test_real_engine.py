@@ -432,6 +432,7 @@ def test_preempted_request_looks_up_again_and_loads(
 
 
 @one_release
+@pytest.mark.alone  # two ranks that spin-wait on each other need both cores to themselves
 def test_tensor_parallel_two_ranks(engines: Engines, server: LiveServer) -> None:
     """TP=2 on vLLM's CPU engine (one OpenMP thread bound per rank): each rank stores
     its KV shard; a fresh TP=2 engine loads both shards and computes what the storing
