@@ -33,10 +33,16 @@ whole chain.
 from __future__ import annotations
 
 import ast
+import importlib.util
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# tools/house.py (not a package): its strongly-connected-components function.
+_spec = importlib.util.spec_from_file_location("lmcache_mp_house", REPO / "tools" / "house.py")
+assert _spec is not None and _spec.loader is not None
+house = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(house)
 PKG = "lmcache_mp"
 
 PROTOCOL, IPC, TRANSPORT = f"{PKG}.protocol", f"{PKG}.ipc", f"{PKG}.transport"
@@ -227,38 +233,10 @@ def test_session_knows_nothing_above_it() -> None:
 
 
 def circles() -> list[frozenset[str]]:
-    """The strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[frozenset[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(GRAPH[v][0]):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = set()
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.add(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(frozenset(component))
-
-    for v in sorted(GRAPH):
-        if v not in index:
-            visit(v)
-    return found
+    """The strongly connected components of more than one module (tools/house.py's
+    Tarjan, over this test's graph)."""
+    return [frozenset(c) for c in house.components({m: GRAPH[m][0] for m in GRAPH})
+            if len(c) > 1]
 
 
 def _arrows(circle: frozenset[str]) -> list[str]:

@@ -22,6 +22,7 @@ import argparse
 import ast
 import json
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 PKG = "lmcache_mp"
@@ -82,6 +83,42 @@ def imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     return out
 
 
+def components(succ: Mapping[str, Iterable[str]]) -> list[set[str]]:
+    """The strongly connected components of a graph (Tarjan), every node in one; a
+    component of more than one node is an import circle. tests/test_layers.py uses it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10000))
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(succ[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            found.append(component)
+
+    for v in sorted(succ):
+        if v not in index:
+            visit(v)
+    return found
+
+
 def house(root: Path) -> dict[str, object]:
     mods = modules(root)
     graph = {m: imports(m, p, mods) for m, p in mods.items()}
@@ -98,38 +135,8 @@ def house(root: Path) -> dict[str, object]:
         return out
 
     arrows = {(a, b) for a in rooms for t in graph[a] for b in through(t) if b != a}
-    # Tarjan's strongly connected components.
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    comps: list[set[str]] = []
     succ = {r: {b for a, b in arrows if a == r} for r in rooms}
-    sys.setrecursionlimit(10000)
-
-    def strong(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in succ[v]:
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = set()
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.add(w)
-                if w == v:
-                    break
-            comps.append(comp)
-
-    for v in sorted(rooms):
-        if v not in index:
-            strong(v)
+    comps = components(succ)
     comp_of = {m: i for i, c in enumerate(comps) for m in c}
     floor: dict[int, int] = {}
 
