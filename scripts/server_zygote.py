@@ -50,6 +50,17 @@ def set_comm(name: str) -> None:
     libc.prctl(pr_set_name, ctypes.c_char_p(name.encode()), 0, 0, 0)
 
 
+def read_line(conn: socket.socket) -> bytes:
+    """One JSON line (requests and replies are one line each), or what came before EOF."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def run_server(request: dict[str, object], inherited: list[socket.socket]) -> None:
     """In the grandchild: become ``python -m lmcache.v1.multiprocess.server ARGS``."""
     import runpy
@@ -60,10 +71,11 @@ def run_server(request: dict[str, object], inherited: list[socket.socket]) -> No
         for sock in inherited:  # the fork server's: not the server's to hold
             sock.close()
         os.setsid()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh python
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as a fresh python
+        # The handlers a fresh python starts with.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
         log = os.open(str(request["log"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
@@ -155,14 +167,8 @@ def serve(path: str) -> None:
                 continue
             with conn:
                 conn.settimeout(10)
-                data = b""
-                while not data.endswith(b"\n"):
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        break
-                    data += chunk
                 try:
-                    pid = fork_server(json.loads(data), [listener, conn])
+                    pid = fork_server(json.loads(read_line(conn)), [listener, conn])
                     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 except Exception as exc:  # noqa: BLE001  (said to the caller)
                     conn.sendall(json.dumps({"error": repr(exc)}).encode() + b"\n")
@@ -178,12 +184,7 @@ def spawn(path: str, log: str, argv: list[str]) -> int:
         conn.connect(path)
         request = {"argv": argv, "log": log, "env": dict(os.environ)}
         conn.sendall(json.dumps(request).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = conn.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        data = read_line(conn)
     reply = json.loads(data) if data else {"error": "the fork server closed the connection"}
     if "pid" not in reply or not reply["pid"]:
         print(f"server_zygote: {reply.get('error', reply)}", file=sys.stderr)
