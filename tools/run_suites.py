@@ -109,6 +109,15 @@ def summary_line(log: Path) -> str:
     return lines[-1].strip("= ") if lines else "(no output)"
 
 
+def failure_lines(log: Path, most: int = 30) -> list[str]:
+    """pytest's ``FAILED``/``ERROR`` summary lines and its ``E``-lines (the assertion
+    messages), the summary first, at most ``most`` lines in all."""
+    lines = log.read_text(errors="replace").splitlines()
+    summary = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    messages = [ln for ln in lines if ln.startswith("E ")]
+    return (summary + messages)[:most]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--releases", nargs="+", required=True)
@@ -183,6 +192,11 @@ def main() -> int:
     print(f"run_suites: the machine's CPUs were {100 * (busy1 - busy0) / (total1 - total0):.0f}% "
           f"busy ({busy1 - busy0:.0f} CPU-s over {total:.0f} s, {os.cpu_count()} CPUs)")
     if failed:
+        # Again at the very end, where a truncated CI log still shows it: which tests
+        # failed and their assertion lines (the full tails are printed above).
+        for name in failed:
+            for ln in failure_lines(LOGS / f"{name}.log"):
+                print(f"run_suites: {name}| {ln}")
         print(f"run_suites: FAILED: {', '.join(failed)} (in {total:.0f} s; logs in {LOGS})")
         return 1
     print(f"run_suites: every job passed in {total:.0f} s")
