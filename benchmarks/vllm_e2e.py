@@ -61,8 +61,8 @@ sys.path.insert(0, str(REPO))
 # The vLLM tests' engine plumbing (the vLLM venv, the oracle runner, the environment).
 from tests.conftest import free_port  # noqa: E402
 from tests.vllm.engines import VENV as VLLM_VENV  # noqa: E402
-from tests.vllm.engines import WITH_VLLM, site_packages  # noqa: E402
 from tests.vllm.engines import engine_env as tests_engine_env  # noqa: E402
+from tests.vllm.engines import lmcache_engine_command  # noqa: E402
 
 REAL_ENGINE = REPO / "tests" / "vllm" / "real_engine.py"
 TINY_MODEL = REPO / "tests" / "vllm" / "tiny_model.py"
@@ -114,8 +114,8 @@ def engine_command(contender: str, spec: Path, release: str) -> list[str]:
     vllm_python = VLLM_VENV / "bin" / "python"
     if contender != "lmcache":
         return [str(vllm_python), str(REAL_ENGINE), str(spec)]
-    return [str(ORACLE / f"venv-{release}" / "bin" / "python"), str(WITH_VLLM),
-            site_packages(), str(REAL_ENGINE), str(spec)]
+    return lmcache_engine_command(ORACLE / f"venv-{release}" / "bin" / "python",
+                                  REAL_ENGINE) + [str(spec)]
 
 
 def run_engine(contender: str, spec: dict[str, Any], release: str, workdir: Path,

