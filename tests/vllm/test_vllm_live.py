@@ -346,9 +346,10 @@ def test_sleep_mode_is_refused_where_vllm_asks() -> None:
     does not (yet), so vLLM must refuse --enable-sleep-mode with it, not accept it."""
     from tests.vllm.engines import vllm_python, vllm_version
 
-    if vllm_version() < (0, 33):  # one look at the tree, not a vLLM process per release
-        pytest.skip(f"vLLM {'.'.join(map(str, vllm_version()))} does not ask connectors about sleep mode (0.33 "
-                    f"does: make test runs this file under vLLM 0.33's tree too)")
+    version = ".".join(map(str, vllm_version()))  # the tree's, not a vLLM process's
+    if vllm_version() < (0, 33):
+        pytest.skip(f"vLLM {version} does not ask connectors about sleep mode (0.33 does: "
+                    f"make test runs this file under vLLM 0.33's tree too)")
     proc = subprocess.run([str(vllm_python()), str(HARNESS), "--sleep-mode"],
                           capture_output=True, text=True, timeout=300, env=engine_env(),
                           cwd=REPO)
