@@ -108,6 +108,11 @@ def test_sigkill_and_restart_under_traffic_recovers_on_its_own(
             t.start()
         time.sleep(0.5)
         restartable.kill()
+        # Down until the client has seen it (its heartbeats fail): a server started
+        # from the fork server is back in ~1 s, within the heartbeats' grace.
+        deadline = time.monotonic() + 10
+        while not health and time.monotonic() < deadline:
+            time.sleep(0.05)
         listening = restartable.start_again()
         # No application action: the same Registration, the first store after the
         # new server answers (the traffic threads may get there first).
