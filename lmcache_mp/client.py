@@ -236,13 +236,10 @@ class Client(ControlPlane, InstanceIdAPI):
                 isinstance(kv_cache, CpuKVCache) or engine_only))
             first: Mode = "engine" if try_engine else "lmcache"
             reg = Registration(self._registry, kv_cache, first, layout, worker_id)
-            if engine_only and chosen != "lmcache":
-                reg._establish_engine_only(deadline)
-            else:
-                # A wrapped cache has no server-copy mode to fall back to: a server without
-                # a pool is then reported as such (ProtocolMismatch) by the engine-driven try.
-                reg._establish(deadline,
-                               fall_back=chosen == "auto" and try_engine and not wrapped)
+            # A wrapped cache has no server-copy mode to fall back to: a server without
+            # a pool is then reported as such (ProtocolMismatch) by the engine-driven try.
+            reg.establish(deadline, engine_only=engine_only and chosen != "lmcache",
+                          fall_back=chosen == "auto" and try_engine and not wrapped)
             self._registry.add(reg)
         except BaseException:
             self._registry.release(iid)

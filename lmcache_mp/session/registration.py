@@ -193,10 +193,16 @@ class Registration:
         info: RegisterEngineDrivenContextResponse = decode_reply(op, conn.transport.wait(p))
         return self._bind_pool(info, p.sent_epoch, deadline)
 
-    def _establish(self, deadline: float, *, fall_back: bool) -> None:
-        """The first REGISTER. With ``fall_back`` (mode "auto": an engine-driven try), a
-        server without the engine-driven handler or without a pool gets a server-copy
-        registration instead, and :attr:`mode` says so."""
+    def establish(self, deadline: float, *, fall_back: bool = False,
+                  engine_only: bool = False) -> None:
+        """The first REGISTER (:meth:`Client.register` sends it; a Registration is
+        handed out established). With ``fall_back`` (mode "auto": an engine-driven
+        try), a server without the engine-driven handler or without a pool gets a
+        server-copy registration instead, and :attr:`mode` says so; ``engine_only``:
+        see :meth:`_establish_engine_only`."""
+        if engine_only:
+            self._establish_engine_only(deadline)
+            return
         sent_at = time.monotonic()
         binding = self._try_engine_driven(deadline) if fall_back else None
         if binding is None:
@@ -310,9 +316,9 @@ class Registration:
             self._owner.recovered(self)
         return new
 
-    def _keep_alive(self, seconds: float) -> None:
-        """One heartbeat: register again unless the binding is fresh, else
-        PING(instance_id)."""
+    def keep_alive(self, seconds: float) -> None:
+        """One heartbeat (the client's heartbeat thread sends them; a caller need not):
+        register again unless the binding is fresh, else PING(instance_id)."""
         deadline = time.monotonic() + seconds
         state = self._state
         b = state.binding

@@ -10,7 +10,7 @@ While a client holds at least one registration, one daemon thread sends
 ``PING(instance_id)`` for each every ``heartbeat_interval`` seconds over the same
 transport (requests are matched by uid, so it never delays a caller's request). A
 registration found on a new connection, after a failed PING, or silent for too long
-is registered again on the spot (:meth:`Registration._keep_alive`), so the first
+is registered again on the spot (:meth:`Registration.keep_alive`), so the first
 transfer after a restart does not pay for it. The thread ends with the last
 registration or when the client closes.
 """
@@ -161,7 +161,7 @@ class Registry:
             if self._stop.is_set():
                 return ok
             try:
-                reg._keep_alive(seconds)
+                reg.keep_alive(seconds)
             except LMCacheMPError as err:
                 if not reg.registered:
                     continue  # unregistered meanwhile: nothing to keep alive
