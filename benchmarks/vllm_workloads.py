@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_e2e as e2e  # noqa: E402  (puts the repository on sys.path)
 
 from tests.conftest import free_port  # noqa: E402
-from tests.vllm.engines import VENV as VLLM_VENV  # noqa: E402
+from tests.integrations.vllm.engines import VENV as VLLM_VENV  # noqa: E402
 
 WORKLOADS = ("short", "partial", "decode", "preempt")
 
@@ -91,7 +91,7 @@ def workload_spec(name: str, contender: str, url: str, salt: str,
             {"prompts": [_p(3000 + i, 512, s) for i in range(4)],
              "max_tokens": 96 if smoke else 384}])
     elif name == "preempt":
-        # As the preemption test (tests/vllm/test_real_engine.py): both prompts fit
+        # As the preemption test (tests/integrations/vllm/test_real_engine.py): both prompts fit
         # at first, their decodes do not; max_model_len within the 80 blocks.
         spec.update(max_num_seqs=2, max_model_len=2048, max_num_batched_tokens=4096,
                     llm_kwargs={"num_gpu_blocks_override": 80}, rounds=[
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"written: {out / 'vllm_workloads.json'}, .md ({report['wall_s']} s)")
     # A preempted request that loads its prefix computes the rest on top of loaded KV
     # where the reference engine recomputed all of it: the logprobs differ by the
-    # prefix gap, which over 300 tokens may flip a near tie (tests/vllm checks the
+    # prefix gap, which over 300 tokens may flip a near tie (tests/integrations/vllm checks the
     # preemption's tokens on prompts where it does not). Reported, not failed.
     wrong = [f"{c} on {w}" for w, per in report["workloads"].items() if w != "preempt"
              for c, r in per.items() if r.get("ok") and r["tokens"]["identical"] is False]

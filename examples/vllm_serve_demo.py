@@ -7,7 +7,7 @@ the same long prompt cold, then warm from a fresh engine that loads its KV.
 `make demo-vllm` (scripts/demo-vllm.sh) builds the venv, starts an LMCache 0.5.6
 server, runs this and stops the server. What it does:
 
-1. A tiny seeded Llama (tests/vllm/tiny_model.py ``llama_long``: random weights, 4
+1. A tiny seeded Llama (tests/integrations/vllm/tiny_model.py ``llama_long``: random weights, 4
    layers, 2 KB of KV per token) with a byte-level BPE tokenizer trained here on
    made-up words (the ``tokenizers`` package: tokenizer.json + tokenizer_config.json
    in the model directory), so the API takes text. Nothing is downloaded.
@@ -73,7 +73,7 @@ def words(seed: int = 0, n: int = 3000) -> list[str]:
 def make_model(path: Path) -> Path:
     """The tiny model (once) plus a tokenizer trained on made-up words (once; written
     to a temporary file and renamed, so a concurrent run sees all of it or none)."""
-    sys.path.insert(0, str(REPO / "tests" / "vllm"))
+    sys.path.insert(0, str(REPO / "tests" / "integrations" / "vllm"))
     from tiny_model import make_model as tiny  # type: ignore[import-not-found]
 
     tiny(str(path), kind=MODEL_KIND, seed=0)
@@ -332,7 +332,7 @@ class Engine:
 
 
 def engine_env() -> dict[str, str]:
-    """As the vLLM tests' engines (tests/vllm/real_engine.py apply_env): offline, one
+    """As the vLLM tests' engines (tests/integrations/vllm/real_engine.py apply_env): offline, one
     pinned OpenMP thread (the same float sums in every engine: a load is compared with
     a recompute), lmcache_mp from this checkout."""
     env = dict(os.environ)

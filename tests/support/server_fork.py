@@ -1,7 +1,7 @@
 """One fork server of real LMCache servers per pytest session (scripts/server_zygote.py).
 
 Every ``lmcache-server.sh start`` of the session's release, from this process or any
-it runs (tests/vllm restarts servers through the script), then forks its server from
+it runs (tests/integrations/vllm restarts servers through the script), then forks its server from
 this one instead of importing LMCache anew: ~8 of a start's ~11 CPU-seconds, ~100
 starts a ``make test``. Set ``LMCACHE_MP_SERVER_FORK=0`` to start every server as a
 fresh interpreter (the demos and benchmarks always do).

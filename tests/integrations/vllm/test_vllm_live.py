@@ -27,8 +27,8 @@ import pytest
 
 from lmcache_mp import CacheKey, Client, CpuKVCache
 from tests.conftest import REPO, SERVER_SCRIPT, SERVER_VERSION, LiveServer, start_server
+from tests.integrations.vllm.engines import ENGINE_LOGS, ZYGOTE, Zygote, engine_command, engine_env
 from tests.support.live_helpers import both_modes_args
-from tests.vllm.engines import ENGINE_LOGS, ZYGOTE, Zygote, engine_command, engine_env
 
 pytestmark = pytest.mark.live
 
@@ -344,7 +344,7 @@ def test_server_down_from_the_start(tmp_path: Path) -> None:
 def test_sleep_mode_is_refused_where_vllm_asks() -> None:
     """vLLM 0.33 asks a connector whether it follows sleep mode's KV-cache remap; ours
     does not (yet), so vLLM must refuse --enable-sleep-mode with it, not accept it."""
-    from tests.vllm.engines import vllm_python, vllm_version
+    from tests.integrations.vllm.engines import vllm_python, vllm_version
 
     version = ".".join(map(str, vllm_version()))  # the tree's, not a vLLM process's
     if vllm_version() < (0, 33):

@@ -32,13 +32,12 @@ from lmcache_mp.integrations.vllm.kv_caches import wrap_layers
 from lmcache_mp.integrations.vllm.ops import StepOps, TransferOp
 from lmcache_mp.integrations.vllm.worker import WorkerSide
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaKVCache, staging
-from tests.vllm.test_connector_units import with_tokens
-
-from ..support.fake_cuda import FakeDriver, FakeTensor
-from ..support.fake_server import FakeServer
+from tests.integrations.vllm.test_connector_units import with_tokens
+from tests.support.fake_cuda import FakeDriver, FakeTensor
+from tests.support.fake_server import FakeServer
 
 LAYOUTS = {(x["layout"], x["mla"]): x for x in json.loads(
-    (Path(__file__).parents[2] / "fixtures" / "vllm" / "kv_layouts.json").read_text())
+    (Path(__file__).parents[3] / "fixtures" / "vllm" / "kv_layouts.json").read_text())
     if x["geometry"] == "tiny"}
 _ATT = LAYOUTS[("LBHNC", False)]
 CHUNK, BS, NB, NH, L = 256, _ATT["block_size"], _ATT["num_blocks"], _ATT["heads"], len(

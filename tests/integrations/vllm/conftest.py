@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.engines import ENGINE_LOGS
+from tests.integrations.vllm.engines import ENGINE_LOGS
 
 LOG_TAIL = 6000  # characters of each engine's log
 

@@ -20,7 +20,7 @@ WITH_VLLM = HERE / "with_vllm.py"
 ZYGOTE = HERE / "zygote.py"
 VENV = Path(os.environ.get("LMCACHE_MP_VLLM_VENV", REPO / ".venv-vllm"))
 #: (which engine, its stderr) of every engine the running test started: a failed test
-#: shows them (tests/vllm/conftest.py), so a load that failed says why in CI's output.
+#: shows them (tests/integrations/vllm/conftest.py), so a load that failed says why in CI's output.
 ENGINE_LOGS: list[tuple[str, str]] = []
 
 

@@ -54,8 +54,8 @@ from tests.conftest import (
     oracle_python,
     start_server,
 )
+from tests.integrations.vllm.engines import ZYGOTE, Zygote, engine_env, lmcache_engine_command, vllm_python
 from tests.support.live_helpers import both_modes_args
-from tests.vllm.engines import ZYGOTE, Zygote, engine_env, lmcache_engine_command, vllm_python
 
 pytestmark = pytest.mark.live
 
