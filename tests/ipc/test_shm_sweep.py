@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
 
 import pytest
 
@@ -19,15 +18,7 @@ from lmcache_mp.cli import main as cli_main
 from lmcache_mp.ipc import shm
 from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR, sweep_dead_segments
 
-
-def wait_until(predicate: Any, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
-
+from ..support.polling import wait_until
 
 _CHILD = """
 import sys, time

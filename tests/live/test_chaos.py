@@ -36,6 +36,7 @@ from lmcache_mp import (
 
 from ..conftest import SERVER_VERSION, LiveServer, start_server
 from ..support.live_helpers import both_modes_args, fill_random, our_segments, round_trip
+from ..support.polling import wait_until
 
 pytestmark = [
     pytest.mark.live,
@@ -285,12 +286,3 @@ def test_a_dead_message_thread_then_a_restart(
     assert outcomes.get("ServerUnresponsive", 0) > 0
     assert all(reg.recoveries >= 1 for reg in regs)
     assert wait_until(lambda: client.healthy)
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
