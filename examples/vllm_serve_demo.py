@@ -331,15 +331,16 @@ class Engine:
         return time.monotonic() - t0
 
 
-def engine_env() -> dict[str, str]:
+def engine_env(tmpdir: Path) -> dict[str, str]:
     """As the vLLM tests' engines (tests/integrations/vllm/real_engine.py apply_env): offline, one
     pinned OpenMP thread (the same float sums in every engine: a load is compared with
-    a recompute), lmcache_mp from this checkout."""
+    a recompute), lmcache_mp from this checkout. ``tmpdir``: the engines' TMPDIR, where
+    vLLM leaves its ZMQ IPC socket files and file stores (removed after the run)."""
     env = dict(os.environ)
     cpu = min(os.sched_getaffinity(0))
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
                 "VLLM_NO_USAGE_STATS": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-                "LMCACHE_DISABLE_BANNER": "1", "PYTHONPATH": str(REPO)})
+                "LMCACHE_DISABLE_BANNER": "1", "PYTHONPATH": str(REPO), "TMPDIR": str(tmpdir)})
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cpu))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
@@ -347,14 +348,14 @@ def engine_env() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------ main
-def run(args: argparse.Namespace, log_dir: Path, engines: list[Engine]) -> int:
+def run(args: argparse.Namespace, log_dir: Path, engines: list[Engine], engine_tmp: Path) -> int:
     t_start = time.monotonic()
     model = make_model(Path(args.model_dir))
     prompt, n_tokens = make_prompt(model, args.tokens, seed=args.prompt_seed)
     warmup, _ = make_prompt(model, 48, seed=args.prompt_seed + 1)
     salt = f"demo-{uuid.uuid4().hex[:12]}"  # this run's entries only, on any server
     max_len = n_tokens + args.max_tokens + 64
-    env = engine_env()
+    env = engine_env(engine_tmp)
     print(f"model {model} (tiny {MODEL_KIND}, tokenizer trained here), prompt "
           f"{n_tokens} tokens, {args.max_tokens} generated, cache_salt {salt}")
     print(f"LMCache server {args.lmcache_url}; vLLM's prefix cache off; OpenMP bind "
@@ -461,10 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     log_dir = Path(tempfile.mkdtemp(prefix="vllm-serve-demo-"))
+    engine_tmp = Path(tempfile.mkdtemp(prefix="vllm-serve-demo-tmp-"))
     engines: list[Engine] = []
     rc = 1
     try:
-        rc = run(args, log_dir, engines)
+        rc = run(args, log_dir, engines, engine_tmp)
     except Interrupted as exc:
         print(f"interrupted ({exc}): stopping", file=sys.stderr)
         rc = 130
@@ -480,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in engines:
             if e.proc is not None:
                 print(f"-- stopping vllm serve ({e.name}): {e.stop():.1f} s", flush=True)
+        shutil.rmtree(engine_tmp, ignore_errors=True)
         if rc == 0 and not args.keep_logs:
             shutil.rmtree(log_dir, ignore_errors=True)
         elif rc != 0:

@@ -3,11 +3,15 @@ the environment an engine runs in. Not a test module."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
+import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -173,6 +177,48 @@ def warm_model_infos() -> None:
 def engine_env() -> dict[str, str]:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "LMCACHE_DISABLE_BANNER": "1",
             "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO), "VLLM_CACHE_ROOT": str(vllm_cache_root())}
+            "PYTHONPATH": str(REPO), "VLLM_CACHE_ROOT": str(vllm_cache_root()),
+            "TMPDIR": str(engine_tmpdir())}
+
+
+_engine_tmpdirs: list[Path] = []
+
+
+def engine_tmpdir() -> Path:
+    """The TMPDIR of every vLLM engine this process starts, removed when it exits (with
+    :func:`remove_engine_leftovers`). vLLM leaves files in its temp dir: a ZMQ IPC
+    socket file per engine (``<uuid>``), and the file store of a multi-process engine
+    (``vllm_dist_<hex>``), and when such an engine's workers are killed, its CPU
+    communicator's shared memory too (``/dev/shm/vllm_dist_<hex>-...-cpushm_<rank>``,
+    4 MiB each). One directory per test process, so jobs side by side never touch each
+    other's."""
+    if not _engine_tmpdirs:
+        path = Path(tempfile.mkdtemp(prefix="lmcache_mp-vllm-"))
+        _engine_tmpdirs.append(path)
+        atexit.register(remove_engine_leftovers, path)
+    return _engine_tmpdirs[0]
+
+
+_UUID4 = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def vllm_temp_files(directory: Path) -> set[str]:
+    """What vLLM engines leave in a temp dir: file stores (``vllm_dist_<hex>``) and ZMQ
+    IPC socket files (``<uuid4>``, vLLM's ``get_open_zmq_ipc_path``)."""
+    return {p.name for p in directory.iterdir()
+            if p.name.startswith("vllm_dist_") or _UUID4.fullmatch(p.name)}
+
+
+def remove_engine_leftovers(tmpdir: Path, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Remove ``tmpdir`` and the shared memory its engines left (named after the file
+    stores in it, as vLLM's CPU worker names it, VLLM_DIST_IDENT); return the segments
+    removed. Call it once no engine with this TMPDIR runs."""
+    removed = []
+    for store in tmpdir.glob("vllm_dist_*"):
+        for segment in shm_dir.glob(f"{store.name}-*"):
+            segment.unlink(missing_ok=True)
+            removed.append(segment.name)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+    return removed
 
 

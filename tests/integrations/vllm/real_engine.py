@@ -69,6 +69,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -311,7 +312,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "ok": False, "pid": os.getpid(), "connector": spec.get("connector"),
         "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0",
         "omp_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "tmpdir": tempfile.gettempdir()}
     rss = _RssPeak()
     rss.start()
     llm = None

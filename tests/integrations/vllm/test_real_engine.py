@@ -54,7 +54,15 @@ from tests.conftest import (
     oracle_python,
     start_server,
 )
-from tests.integrations.vllm.engines import ZYGOTE, Zygote, engine_env, lmcache_engine_command, vllm_python
+from tests.integrations.vllm.engines import (
+    ZYGOTE,
+    Zygote,
+    engine_env,
+    engine_tmpdir,
+    lmcache_engine_command,
+    vllm_python,
+    vllm_temp_files,
+)
 from tests.support.live_helpers import both_modes_args
 
 pytestmark = pytest.mark.live
@@ -484,12 +492,20 @@ def test_tensor_parallel_two_ranks(engines: Engines, server: LiveServer) -> None
     its KV shard; a fresh TP=2 engine loads both shards and computes what the storing
     engine computed (TP=2 and TP=1 sum in another order: compared among TP=2 runs)."""
     spec = {**ours(server.url), "tp": 2, "prompts": TP, "max_tokens": 8}
+    system_tmp = Path(tempfile.gettempdir())
+    before = vllm_temp_files(system_tmp)
     cold = engines.run(spec, timeout=600)
     assert stats(cold)["stored"] >= 2 * 2  # every prompt's chunks, on both ranks
     warm = engines.run(spec, timeout=600)
     assert cached(warm) == [whole_chunks(p) for p in TP]
     assert stats(warm)["retrieved"] == 2 * 2 and stats(warm)["load_errors"] == 0
     same_output(warm["rounds"][0]["outputs"], cold["rounds"][0]["outputs"], 0.0)
+    # What a two-rank engine leaves behind (its ZMQ IPC socket files, its TP group's
+    # file store, and the shared memory named after that store when a rank is killed)
+    # goes to the engines' own TMPDIR, removed at exit (engines.remove_engine_leftovers);
+    # the system's temp dir gains none of it (this test runs alone: nothing else adds).
+    assert cold["tmpdir"] == warm["tmpdir"] == str(engine_tmpdir())
+    assert vllm_temp_files(system_tmp) <= before
 
 
 @one_release
