@@ -4,6 +4,7 @@ the environment an engine runs in. Not a test module."""
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import queue
@@ -181,22 +182,18 @@ def engine_env() -> dict[str, str]:
             "TMPDIR": str(engine_tmpdir())}
 
 
-_engine_tmpdirs: list[Path] = []
-
-
+@functools.cache
 def engine_tmpdir() -> Path:
     """The TMPDIR of every vLLM engine this process starts, removed when it exits (with
     :func:`remove_engine_leftovers`). vLLM leaves files in its temp dir: a ZMQ IPC
-    socket file per engine (``<uuid>``), and the file store of a multi-process engine
-    (``vllm_dist_<hex>``), and when such an engine's workers are killed, its CPU
-    communicator's shared memory too (``/dev/shm/vllm_dist_<hex>-...-cpushm_<rank>``,
+    socket file per engine (``<uuid>``), the file store of a multi-process engine
+    (``vllm_dist_<hex>``), and, when such an engine's ranks are killed, its CPU
+    communicator's shared memory (``/dev/shm/vllm_dist_<hex>-...-cpushm_<rank>``,
     4 MiB each). One directory per test process, so jobs side by side never touch each
     other's."""
-    if not _engine_tmpdirs:
-        path = Path(tempfile.mkdtemp(prefix="lmcache_mp-vllm-"))
-        _engine_tmpdirs.append(path)
-        atexit.register(remove_engine_leftovers, path)
-    return _engine_tmpdirs[0]
+    path = Path(tempfile.mkdtemp(prefix="lmcache_mp-vllm-"))
+    atexit.register(remove_engine_leftovers, path)
+    return path
 
 
 _UUID4 = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}")

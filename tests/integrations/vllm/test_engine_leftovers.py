@@ -1,64 +1,104 @@
 """What vLLM engines leave behind is removed with the engines' own TMPDIR
 (``engines.remove_engine_leftovers``), and only theirs.
 
-The names are vLLM's, as its engines leave them on this machine's ``/tmp`` and
-``/dev/shm`` when a two-rank CPU engine's workers are killed: the file store
-``vllm_dist_<hex>`` (``get_file_store_init_method``), which names the TP group's shared
-memory ``<store>-tp:0-[0-1]-cpushm_<rank>`` (the CPU worker's VLLM_DIST_IDENT,
-``_CPUSHMDistributed.make_group_name``), and ZMQ IPC socket files ``<uuid4>``
-(``get_open_zmq_ipc_path``). The live two-rank test
-(``test_real_engine.py::test_tensor_parallel_two_ranks``) checks that real engines put
-them in that TMPDIR.
+The leftovers are made by vLLM's own code in the vLLM venv, as a two-rank CPU engine's
+rank makes them: its file store (``get_file_store_init_method``, in TMPDIR), the CPU
+communicator's shared memory named after that store (``_CPUSHMDistributed``'s group
+name, ``init_shm_manager``), left in ``/dev/shm`` because the process ends without its
+destructors, as a killed rank does; and a ZMQ IPC path (``get_open_zmq_ipc_path``). The
+live two-rank engine test (``test_real_engine.py::test_tensor_parallel_two_ranks``)
+checks that real engines run with that TMPDIR.
 """
 
 from __future__ import annotations
 
-import uuid
+import json
+import os
+import subprocess
 from pathlib import Path
 
-from tests.integrations.vllm.engines import remove_engine_leftovers, vllm_temp_files
+import pytest
+
+from tests.conftest import SERVER_VERSION
+from tests.integrations.vllm.engines import (
+    remove_engine_leftovers,
+    vllm_python,
+    vllm_temp_files,
+)
+
+pytestmark = [
+    pytest.mark.live,
+    pytest.mark.skipif(SERVER_VERSION != "0.5.3", reason=(
+        "vLLM's own leftovers do not depend on the LMCache release: run with 0.5.3's jobs")),
+]
+
+SHM_DIR = Path("/dev/shm")
+
+# Run by the vLLM venv's python with TMPDIR set: one rank of a one-rank CPU group.
+LEAVE_AS_A_KILLED_RANK = """
+import json, os, types
+from vllm.utils.network_utils import get_file_store_init_method, get_open_zmq_ipc_path
+from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+import torch
+try:
+    import vllm._C  # noqa: F401  (registers torch.ops._C.init_shm_manager)
+except ImportError as exc:
+    print(json.dumps({"skip": f"this vLLM tree has no CPU ops: {exc}"}))
+    os._exit(0)
+store = get_file_store_init_method().removeprefix("file://")
+open(store, "w").close()  # what torch's FileStore creates
+os.environ["VLLM_DIST_IDENT"] = os.path.basename(store)  # as vLLM's CPU worker sets it
+group = _CPUSHMDistributed.make_group_name(types.SimpleNamespace(unique_name="tp:0", ranks=[0]))
+torch.ops._C.init_shm_manager(group, 1, 0, 1)
+print(json.dumps({"store": store, "group": group,
+                  "ipc": get_open_zmq_ipc_path().removeprefix("ipc://")}), flush=True)
+os._exit(0)  # no destructor runs: the segment stays, as a killed rank leaves it
+"""
 
 
-def leave(tmp: Path, shm: Path, store: str) -> list[Path]:
-    """A file store in ``tmp`` and its two ranks' segments in ``shm``."""
-    (tmp / store).write_bytes(b"store")
-    segments = [shm / f"{store}-tp:0-[0-1]-cpushm_{rank}" for rank in (0, 1)]
-    for seg in segments:
-        seg.write_bytes(b"\0" * 64)
-    return segments
+def leave_as_a_killed_rank(tmpdir: Path) -> dict[str, str]:
+    out = subprocess.run([str(vllm_python()), "-c", LEAVE_AS_A_KILLED_RANK],
+                         env={**os.environ, "TMPDIR": str(tmpdir)}, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    made: dict[str, str] = json.loads(out.strip().splitlines()[-1])
+    if "skip" in made:
+        pytest.skip(made["skip"])
+    return made
 
 
-def test_the_engines_tmpdir_and_the_shared_memory_it_names_are_removed(tmp_path: Path) -> None:
-    engines_tmp, shm = tmp_path / "engines", tmp_path / "shm"
-    engines_tmp.mkdir()
-    shm.mkdir()
-    ours = leave(engines_tmp, shm, "vllm_dist_" + uuid.uuid4().hex)
-    (engines_tmp / str(uuid.uuid4())).write_bytes(b"")  # an IPC socket's file
-    # Another test process's engines: its store is in its own TMPDIR, not ours.
-    others_tmp = tmp_path / "others"
+def segments_of(group: str) -> set[str]:
+    # Not glob(): the group name's "[0]" would read as a character class.
+    return {p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"{group}_")}
+
+
+def test_the_shared_memory_an_engines_tmpdir_names_is_removed_with_it(tmp_path: Path) -> None:
+    ours_tmp, others_tmp = tmp_path / "ours", tmp_path / "others"
+    ours_tmp.mkdir()
     others_tmp.mkdir()
-    theirs = leave(others_tmp, shm, "vllm_dist_" + uuid.uuid4().hex)
-    unrelated = shm / "lmcache_l1_pool_1234"
-    unrelated.write_bytes(b"")
+    ours = leave_as_a_killed_rank(ours_tmp)
+    theirs = leave_as_a_killed_rank(others_tmp)  # another test process's engines
+    try:
+        assert ours["store"].startswith(f"{ours_tmp}/")
+        left = segments_of(ours["group"])
+        assert left  # vLLM left its segment, as a killed rank does
+        Path(ours["ipc"]).touch()  # the socket file a ZMQ IPC bind creates there
+        assert vllm_temp_files(ours_tmp) == {Path(ours["store"]).name,
+                                            Path(ours["ipc"]).name}
 
-    removed = remove_engine_leftovers(engines_tmp, shm)
-
-    assert sorted(removed) == sorted(seg.name for seg in ours)
-    assert not engines_tmp.exists()
-    assert not any(seg.exists() for seg in ours)
-    assert all(seg.exists() for seg in theirs) and unrelated.exists()
+        assert sorted(remove_engine_leftovers(ours_tmp)) == sorted(left)
+        assert not ours_tmp.exists() and not segments_of(ours["group"])
+        assert segments_of(theirs["group"])  # not this TMPDIR's: left alone
+    finally:
+        remove_engine_leftovers(ours_tmp)
+        remove_engine_leftovers(others_tmp)
+    assert not segments_of(theirs["group"])
 
 
 def test_nothing_left_is_nothing_removed(tmp_path: Path) -> None:
     engines_tmp = tmp_path / "engines"
     engines_tmp.mkdir()
-    assert remove_engine_leftovers(engines_tmp, tmp_path) == []
+    (engines_tmp / "config.json").write_text("{}")
+    assert vllm_temp_files(engines_tmp) == set()
+    assert remove_engine_leftovers(engines_tmp) == []
     assert not engines_tmp.exists()
-    assert remove_engine_leftovers(engines_tmp, tmp_path) == []  # twice: still fine
-
-
-def test_vllm_temp_files_are_stores_and_ipc_sockets_only(tmp_path: Path) -> None:
-    names = {"vllm_dist_" + uuid.uuid4().hex, str(uuid.uuid4())}
-    for name in names | {"lmcache_mp-server-fork.sock", "pytest-of-root", "cfa1b2c3"}:
-        (tmp_path / name).write_bytes(b"")
-    assert vllm_temp_files(tmp_path) == names
+    assert remove_engine_leftovers(engines_tmp) == []  # twice: still fine
