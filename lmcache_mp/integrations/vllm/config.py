@@ -75,7 +75,10 @@ class ConnectorConfig:
     health_interval: float = 2.0
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+    def from_extra(cls, extra: Mapping[str, Any] | None, *,
+                   quiet: bool = False) -> ConnectorConfig:
+        """The settings in ``extra``; ``quiet``: do not log the accepted keys of
+        LMCache's (read again, e.g. by ``kv_cache_access``)."""
         raw = {k[len(PREFIX):]: v for k, v in (extra or {}).items()
                if isinstance(k, str) and k.startswith(PREFIX)}
         known = {"server_urls", "host", "port", "mq_timeout", "heartbeat_interval",
@@ -98,7 +101,8 @@ class ConnectorConfig:
                     f"{PREFIX}{k}={raw[k]!r} is not supported by the lmcache_mp connector "
                     f"({ours}): remove the key, or set it to "
                     f"{' or '.join(repr(a) for a in accepted)}")
-            log.info("lmcache_mp connector: %s%s=%r: %s", PREFIX, k, raw[k], ours)
+            if not quiet:
+                log.info("lmcache_mp connector: %s%s=%r: %s", PREFIX, k, raw[k], ours)
         urls = _urls(raw)
         mode = str(raw.get("mp_transfer_mode", "auto"))
         if mode not in _MODES:

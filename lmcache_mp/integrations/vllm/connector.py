@@ -4,8 +4,8 @@ Load it with ``--kv-transfer-config '{"kv_connector": "LMCacheMPConnector",
 "kv_connector_module_path": "lmcache_mp.integrations.vllm", "kv_role": "kv_both",
 "kv_connector_extra_config": {"lmcache.mp.host": "tcp://localhost", "lmcache.mp.port":
 5555}}'``. The scheduler role runs :class:`~.scheduler.SchedulerSide`, each worker a
-:class:`~.worker.WorkerSide`; this class only adapts vLLM's interface (0.32 and 0.33:
-0.33: ``supports_sleep_mode`` is False, so vLLM refuses sleep mode with it).
+:class:`~.worker.WorkerSide`; this class only adapts vLLM's interface (0.32, 0.33 and
+0.34; what differs between them is read through compat.py).
 MLA models (``model_config.use_mla``) follow LMCache's rules: see kv_caches.py and
 config.placement.
 With metrics.py (imported here), the only modules of lmcache_mp that import vLLM.
@@ -23,9 +23,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...client import Client
-from ...errors import InvalidArgument
+from ...errors import InvalidArgument, ProtocolMismatch
+from .amx import request_amx_tiles
+from .compat import asks_kv_cache_access, kv_cache_access
 from .config import ConnectorConfig, placement
-from .kv_caches import check_one_group, mla_only, wrap_layers
+from .kv_caches import check_one_group, mla_only, refusal, registration_mode, wrap_layers
 from .metrics import LMCacheMPClientPromMetrics, LMCacheMPClientStats
 from .ops import StepOps
 from .scheduler import SchedulerSide
@@ -90,20 +92,38 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     # ============================================================ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's KV cache, registered with the server (vLLM 0.34's extensible cache:
+        called once its final size is committed, in ``extend_kv_cache``, with per-layer
+        views whose storages span one layer's committed blocks each; nothing earlier).
+        A cache and mode that cannot work together raise here, saying what to set."""
         assert self.worker is not None
         # One group (no hybrid KV-cache groups): layers in vLLM's registration order,
-        # each a 4-D view of vLLM's one allocation (kv_caches.py). CPU tensors:
-        # engine-driven only; CUDA tensors: either mode.
+        # each a 4-D view (kv_caches.py). CPU tensors: engine-driven only; CUDA
+        # tensors: either mode (under vLLM 0.34 the one kv_cache_access declared).
         check_one_group(self._kv_cache_config)
-        cache = wrap_layers(list(kv_caches.values()), self.block_size, self.cfg.mode,
-                            mla=self.mla)
-        worker = self.worker
+        layers = list(kv_caches.values())
+        device = getattr(getattr(layers[0], "device", None), "type", None) if layers else None
+        if device == "cpu":
+            request_amx_tiles()  # before vLLM's CPU attention first runs: amx.py
+        declared = asks_kv_cache_access()
+        mode = registration_mode(self.cfg.mode, str(device), declared)
+        first = [wrap_layers(layers, self.block_size, mode, mla=self.mla)]  # refused now
+        worker, cfg = self.worker, self.cfg
 
-        def register() -> Any:
-            return worker.client.register(
-                cache, model_name=self.model_name, mode=self.cfg.mode,
-                world_size=worker.place.kv_world_size, worker_id=worker.place.kv_worker_id,
-                timeout=self.cfg.mq_timeout)
+        def register(instance_id: int | None) -> Any:
+            # Wrapped again after a wake-up: the memory behind the same views is new
+            # (CUDA IPC handles made before would be stale).
+            cache = first.pop() if first else wrap_layers(layers, self.block_size, mode,
+                                                          mla=self.mla)
+            try:
+                return worker.client.register(
+                    cache, model_name=self.model_name, mode=mode,
+                    world_size=worker.place.kv_world_size,
+                    worker_id=worker.place.kv_worker_id, instance_id=instance_id,
+                    timeout=cfg.mq_timeout)
+            except (InvalidArgument, ProtocolMismatch) as err:
+                raise InvalidArgument(refusal(cfg.mode, mode, str(device), declared,
+                                              err)) from err
 
         worker.set_registration(register, self.block_size)
 
@@ -198,10 +218,31 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return LMCacheMPClientPromMetrics(vllm_config, metric_types, labelnames,
                                           per_engine_labelvalues)
 
-    # ============================================================= vLLM 0.33
+    # ============================================================ sleep mode
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        # vLLM 0.33 remaps the KV cache on sleep / wake-up and calls
-        # unregister_kv_caches / restore_kv_caches; this connector does not follow
-        # that yet, so vLLM refuses --enable-sleep-mode with it.
-        return False
+        """vLLM 0.33+ releases the KV cache's memory on sleep (and 0.34 for weight
+        updates that borrow it) between ``unregister_kv_caches`` and
+        ``restore_kv_caches``: followed (worker.py ``unregister`` / ``restore``)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self.worker is not None:
+            self.worker.unregister()
+
+    def restore_kv_caches(self) -> None:
+        if self.worker is not None:
+            self.worker.restore()
+
+    # ============================================================= vLLM 0.34
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """How this connector's workers reach vLLM's KV cache (vLLM 0.34 allocates it
+        accordingly): what ``lmcache.mp.mp_transfer_mode`` makes them do
+        (compat.kv_cache_access). ``auto`` and ``engine_driven``: ``IN_PROCESS``
+        (this process copies; vLLM keeps its extensible VMM cache);
+        ``lmcache_driven``: ``LEGACY_IPC`` (the server maps the cache through CUDA
+        IPC; vLLM then allocates an ordinary one). A configuration that is wrong
+        anyway is refused here, when vLLM reads its config."""
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        return kv_cache_access(ConnectorConfig.from_extra(extra, quiet=True).mode)

@@ -37,7 +37,12 @@ from ...errors import InvalidArgument
 from ...ipc.base import ExportableKVCache
 from ...ipc.cpu_cache import CpuKVCache
 
-__all__ = ["wrap_layers", "mla_only", "check_one_group"]
+__all__ = ["wrap_layers", "mla_only", "check_one_group", "registration_mode",
+           "refusal"]
+
+#: The config key of the transfer mode, and its values' names there.
+MODE_KEY = "lmcache.mp.mp_transfer_mode"
+MODE_NAMES = {"auto": "auto", "engine": "engine_driven", "lmcache": "lmcache_driven"}
 
 
 def check_one_group(kv_cache_config: Any) -> None:
@@ -110,3 +115,44 @@ def wrap_layers(tensors: Sequence[Any], block_size: int, mode: str = "auto", *,
         return CpuKVCache.wrap([t[:, 0] for t in tensors], layout="NHD",
                                block_size=block_size)
     return CpuKVCache.wrap(list(tensors), layout="HND", block_size=block_size, fused=True)
+
+
+def registration_mode(mode: str, device: str, declared: bool) -> str:
+    """The lmcache_mp mode the connector registers vLLM's cache with, for the
+    configured ``mode`` (``auto`` / ``engine`` / ``lmcache``), the cache's ``device``
+    (``cpu`` / ``cuda``) and whether vLLM asked the connector how it reaches the cache
+    (``declared``: vLLM 0.34's ``kv_cache_access``, see compat.py).
+
+    ``auto`` on a CUDA cache under vLLM 0.34 is engine-driven: the connector declared
+    ``IN_PROCESS`` (this process copies), so vLLM keeps its extensible cache, whose VMM
+    memory CUDA IPC cannot share anyway, and engine-driven copies are the fast path
+    (one gather per layer, faster than the 0.5.6 / 0.5.7rc2 servers' own copy:
+    docs/vllm.md). Under 0.32 / 0.33 ``auto`` is lmcache_mp's (server-copy where CUDA
+    IPC can share the memory, else engine-driven; engine-driven for CPU caches)."""
+    if mode == "auto" and device == "cuda" and declared:
+        return "engine"
+    return mode
+
+
+def refusal(configured: str, registered: str, device: str, declared: bool,
+            err: Exception) -> str:
+    """What to set, when registering vLLM's cache in the ``registered`` mode (chosen
+    from the ``configured`` one) cannot work: the server lacks the engine-driven mode,
+    or it cannot map this memory."""
+    key = f"{MODE_KEY}={MODE_NAMES.get(configured, configured)}"
+    if registered == "engine" or (registered == "auto" and device == "cpu"):
+        why = (f"{key}: vLLM 0.34 was told the connector copies its KV cache in process "
+               f"(kv_cache_access IN_PROCESS), so it keeps its extensible KV cache"
+               if declared and device == "cuda" else
+               f"{key}: vLLM's CPU KV cache is not memory the server can map"
+               if device == "cpu" else key)
+        alternative = (f", or set {MODE_KEY}=lmcache_driven (the server maps the cache "
+                       f"through CUDA IPC{'; vLLM then allocates an ordinary KV cache' if declared else ''})"
+                       if device == "cuda" else "")
+        return (f"the lmcache_mp connector cannot register vLLM's KV cache ({why}): "
+                f"engine-driven transfers need the server's shared-memory pool; start the "
+                f"server with --supported-transfer-mode auto --shm-name NAME (from LMCache "
+                f"0.5.4; on GPU hosts also --no-l1-use-lazy){alternative}. The server "
+                f"said: {err}")
+    return (f"the lmcache_mp connector cannot register vLLM's KV cache with {key}: the "
+            f"server cannot map it ({err}); set {MODE_KEY}=auto or engine_driven")

@@ -55,6 +55,7 @@ from typing import Any
 
 from ...errors import InvalidArgument, LMCacheMPError, RequestTimeout
 from ...keys import CacheKey
+from .compat import resumed_req_ids, skips_external_kv, token_ids
 from .config import ConnectorConfig, salt_usable
 from .ops import StepOps, TransferOp
 from .stats import Counters
@@ -115,6 +116,9 @@ class Tracker:
     sending: bool = False
     #: The key whose token ids the workers were sent (``StepOps.tokens``).
     sent_key: CacheKey | None = None
+    #: vLLM discards external hits for this request (prompt logprobs, ...): it is
+    #: never looked up, its chunks are still stored.
+    no_reads: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -213,11 +217,10 @@ class SchedulerSide:
                 time.sleep(0.01)
 
     # -------------------------------------------------------------- trackers
-    def _base_key(self, token_ids: Any, session_id: str, salt: str) -> CacheKey:
-        if not isinstance(token_ids, (list, tuple)):
-            token_ids = list(token_ids)  # vLLM's ConstantList (a read-only view)
+    def _base_key(self, tokens: Any, session_id: str, salt: str) -> CacheKey:
+        ids = token_ids(tokens)  # vLLM's ConstantList of a list or a TokenBuffer: compat
         return CacheKey(model_name=self.model_name, world_size=self.kv_world_size,
-                        worker_id=None, token_ids=token_ids, start=0, end=len(token_ids),
+                        worker_id=None, token_ids=ids, start=0, end=len(ids),
                         request_id=session_id, cache_salt=salt)
 
     def _tracker(self, request: Any) -> Tracker:
@@ -243,7 +246,7 @@ class SchedulerSide:
                 except InvalidArgument as err:  # token ids outside uint32
                     reason = f"its token ids are not LMCache's ({err})"
             t = Tracker(request.request_id, key, int(request.num_prompt_tokens), salt,
-                        session_id, request)
+                        session_id, request, no_reads=skips_external_kv(request))
             if reason:
                 log.debug("lmcache_mp connector: request %s bypasses the cache: %s",
                           request.request_id, reason)
@@ -296,7 +299,7 @@ class SchedulerSide:
         chunk = self.chunk_size
         if not t.lookups:
             end = 0 if chunk is None else t.num_tokens // chunk * chunk
-            if end == 0 or not self.loads or not self.all_healthy():
+            if end == 0 or not self.loads or t.no_reads or not self.all_healthy():
                 t.hit = 0
                 return
             t.lookup_end, t.lookup_sent = end, time.monotonic()
@@ -438,7 +441,7 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             self._scheduled(step, new.req_id, scheduler_output, None)
         cached = scheduler_output.scheduled_cached_reqs
-        resumed: set[str] = getattr(cached, "resumed_req_ids", None) or set()
+        resumed = resumed_req_ids(cached)  # vLLM 0.32 / 0.33 (0.34: in scheduled_new_reqs)
         for i, rid in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
             extra = list(new_blocks[0]) if new_blocks else None

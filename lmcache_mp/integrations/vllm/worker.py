@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import InvalidArgument, LMCacheMPError
+from ...errors import InvalidArgument, LMCacheMPError, ProtocolMismatch
 from ...ipc.cpu_cache import CpuKVCache
 from ...keys import CacheKey
 from .config import ConnectorConfig, RankPlacement
@@ -88,7 +88,10 @@ class WorkerSide:
         self.place = place
         self.model_name = model_name
         self.reg: Any = None
-        self._register: Callable[[], Any] | None = None
+        #: Makes the registration: ``register(instance_id)`` (None: a new one).
+        self._register: Callable[[int | None], Any] | None = None
+        #: The instance id of the registration sleep mode dropped (restored with it).
+        self._instance_id: int | None = None
         self._registering: threading.Thread | None = None
         self._stop_registering = threading.Event()
         self.block_size = 0
@@ -115,41 +118,100 @@ class WorkerSide:
         self._learned: StepOps | None = None
 
     # ----------------------------------------------------------- registering
-    def set_registration(self, register: Callable[[], Any], block_size: int) -> None:
+    def set_registration(self, register: Callable[[int | None], Any],
+                         block_size: int) -> None:
         """Register now (vLLM's start-up) if the server answers; otherwise retry on a
         thread of its own every ``health_interval`` (never on vLLM's forward thread: a
-        registration may wait its whole deadline), and miss meanwhile."""
+        registration may wait its whole deadline), and miss meanwhile. A registration
+        that cannot work whatever the server's state (the cache and the transfer mode
+        do not go together, the server lacks what the mode needs) raises here: vLLM
+        does not start with a connector that would never move anything."""
         self._register = register
         self.block_size = block_size
+        self._start_registering()
+
+    def _start_registering(self) -> None:
         if not self._try_register():
+            self._stop_registering.clear()
             self._registering = threading.Thread(target=self._retry_registration,
                                                  daemon=True, name="lmcache-mp-vllm-register")
             self._registering.start()
 
     def _try_register(self) -> bool:
-        """One registration attempt (its errors logged)."""
+        """One registration attempt (its errors logged); a refusal raises."""
         assert self._register is not None
         try:
-            reg = self._register()
+            reg = self._register(self._instance_id)
+        except (InvalidArgument, ProtocolMismatch):
+            raise  # no retry makes it work: the message says what to set
         except LMCacheMPError as err:
             log.warning("lmcache_mp connector: cannot register the KV cache with %s yet "
                         "(%s); retrying", self.place.url, err)
             return False
-        if reg.mode == "engine" and _is_cpu(reg):
+        if reg.mode == "engine" and _is_cpu(reg) and self._load_thread is None:
             self._load_thread = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="lmcache-mp-vllm-loads")
             self._store_thread = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="lmcache-mp-vllm-stores")
         log.info("lmcache_mp connector: rank %d registered with %s (%s mode, instance %d)",
                  self.place.kv_worker_id, self.place.url, reg.mode, reg.instance_id)
+        self._instance_id = reg.instance_id
         self.reg = reg  # last: the forward thread uses it as soon as it is set
         return True
 
     def _retry_registration(self) -> None:
         while not self._stop_registering.wait(self.cfg.health_interval):
             # Nothing is attempted while the heartbeat says the server is down.
-            if self.client.healthy and self._try_register():
+            if not self.client.healthy:
+                continue
+            try:
+                if self._try_register():
+                    return
+            except LMCacheMPError as err:  # a refusal, found once the server answered
+                log.error("lmcache_mp connector: the KV cache cannot be registered with "
+                          "%s: %s; the connector moves nothing", self.place.url, err)
                 return
+
+    def _stop_retrying(self, deadline: float) -> None:
+        self._stop_registering.set()
+        registering, self._registering = self._registering, None
+        if registering is not None:  # bounded by the registration's own deadline
+            registering.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    # ------------------------------------------------------------ sleep mode
+    def unregister(self) -> None:
+        """vLLM is about to release the KV cache's memory (sleep, or a weight update
+        that borrows it): wait for what still reads or writes it, then unregister (the
+        server forgets the cache; its entries stay). Loads meanwhile fail (vLLM
+        recomputes), stores are skipped. Idempotent."""
+        deadline = time.monotonic() + self.cfg.transfer_timeout
+        self._stop_retrying(deadline)
+        self.flush_stores()
+        for loads in self._loads.values():
+            for future, *_ in loads:
+                if future is not None and time.monotonic() < deadline:
+                    try:
+                        future.result()
+                    except LMCacheMPError:
+                        pass  # reported by get_finished as a failed load
+        reg, self.reg = self.reg, None
+        if reg is not None:
+            try:
+                reg.unregister(timeout=min(self.cfg.mq_timeout, 10.0))
+            except LMCacheMPError as err:
+                log.warning("lmcache_mp connector: unregister before sleep: %s", err)
+            log.info("lmcache_mp connector: rank %d unregistered instance %d (vLLM "
+                     "releases its KV cache's memory)", self.place.kv_worker_id,
+                     reg.instance_id)
+
+    def restore(self) -> None:
+        """vLLM mapped fresh memory behind the KV cache (wake-up): register it again,
+        under the same instance id (the server's entries of this model stay usable;
+        what vLLM's blocks held is gone). As at start: retried in the background while
+        the server does not answer. Idempotent."""
+        if self.reg is None and (self._registering is None
+                                 or not self._registering.is_alive()):
+            self._start_registering()
 
     def _usable(self) -> bool:
         return self.reg is not None and bool(self.client.healthy)
@@ -323,10 +385,7 @@ class WorkerSide:
     # ----------------------------------------------------------------- closing
     def shutdown(self) -> None:
         deadline = time.monotonic() + self.cfg.transfer_timeout
-        self._stop_registering.set()
-        registering = self._registering
-        if registering is not None:  # bounded by the registration's own deadline
-            registering.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._stop_retrying(deadline)
         for rid in list(self._stores):
             for store in self._stores.pop(rid):
                 if time.monotonic() < deadline:

@@ -4,6 +4,7 @@ the server, lock frees, store ranges, failed loads, dead servers, configuration.
 
 from __future__ import annotations
 
+import array
 import threading
 import time
 from collections.abc import Sequence
@@ -527,7 +528,7 @@ class FakeReg:
 def worker(reg: FakeReg, client: FakeClient) -> WorkerSide:
     client.close = lambda: None  # type: ignore[attr-defined]
     w = WorkerSide(ConnectorConfig(), client, placement(["tcp://h:1", "tcp://h:2"], 4, 3), "m")
-    w.set_registration(lambda: reg, BS)
+    w.set_registration(lambda _instance_id: reg, BS)
     return w
 
 
@@ -798,7 +799,7 @@ def test_registration_is_retried_in_the_background_while_the_server_is_down() ->
     calls = []
     slow = threading.Event()
 
-    def register() -> FakeReg:
+    def register(_instance_id: int | None) -> FakeReg:
         calls.append(1)
         if len(calls) == 1:
             raise ServerUnavailable("not yet")
@@ -831,7 +832,7 @@ def test_registration_is_retried_in_the_background_while_the_server_is_down() ->
 def test_no_registration_is_tried_while_heartbeats_go_unanswered() -> None:
     calls = []
 
-    def register() -> FakeReg:
+    def register(_instance_id: int | None) -> FakeReg:
         calls.append(1)
         raise ServerUnavailable("down")
 
@@ -1006,7 +1007,7 @@ def test_mla_non_writer_rank_loads_but_never_stores() -> None:
     client.close = lambda: None  # type: ignore[attr-defined]
     w = WorkerSide(ConnectorConfig(), client, placement(["tcp://h:1"], 2, 1, mla=True,
                                                         tp_size=2), "m")
-    w.set_registration(lambda: reg, BS)
+    w.set_registration(lambda _instance_id: reg, BS)
     w.start_stores(with_tokens([op("STORE")]))
     assert reg.sent == [] and w.stats["skipped_stores"] == 0
     w.start_loads(StepOps(held=["r"]))
@@ -1081,3 +1082,201 @@ def test_stats_aggregate_and_reduce_as_vllm_uses_them() -> None:
     assert line["lookup_avg_ms"] == 1.0 and "store_avg_ms" not in line
     # Every Prometheus metric is fed by a key the sides record.
     assert {m.key for m in stats.METRICS} <= set(stats.COUNTERS) | set(stats.DURATIONS)
+
+
+# ------------------------------------------------------- vLLM releases (compat.py)
+class _TokenBuffer(array.array):  # type: ignore[type-arg]
+    """vLLM 0.34's ``TokenBuffer`` (``v1/token_buffer.py``: an ``array('i')`` subclass,
+    handed out inside a ``ConstantList``), made to fail on any per-token read: the
+    connector must pack it in bulk. The tree job checks vLLM's own class the same way
+    (tests/integrations/vllm/test_vllm_034.py)."""
+
+    def __new__(cls, tokens: Any) -> Any:
+        return super().__new__(cls, "i", tokens)
+
+    def __iter__(self) -> Any:
+        raise AssertionError("a TokenBuffer read token by token")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise AssertionError("a TokenBuffer read token by token")
+
+
+class _ConstantList(Sequence[int]):
+    """vLLM's ``v1/utils.py`` ``ConstantList``: a read-only view of ``_x``."""
+
+    def __init__(self, x: Any) -> None:
+        self._x = x
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._x[i]
+
+    def __iter__(self) -> Any:
+        return iter(self._x)
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+
+def test_a_token_buffer_is_packed_without_a_python_loop() -> None:
+    c = FakeClient(hits=0)
+    s = side(c)
+    r = request(2 * CHUNK + 5)
+    r.all_token_ids = _ConstantList(_TokenBuffer(range(1, 2 * CHUNK + 6)))
+    s.get_num_new_matched_tokens(r, 0)
+    assert c.ops("LOOKUP") == [("LOOKUP", 0, 2 * CHUNK, "", 1)]
+    key = s.trackers["r"].key
+    assert key is not None and key.token_bytes == packed(range(1, 2 * CHUNK + 6))
+
+
+@pytest.mark.parametrize("attribute", ["skip_reading_external_kv",  # vLLM 0.34
+                                       "skip_reading_prefix_cache"])  # vLLM 0.32 / 0.33
+def test_a_request_vllm_reads_no_external_kv_for_is_not_looked_up(attribute: str) -> None:
+    """Prompt-logprob requests (and others that skip cached prefixes): vLLM zeroes the
+    connector's hit, so a LOOKUP would take read locks nothing frees (the tracker never
+    polls it again). Not looked up; its chunks are still stored."""
+    c = FakeClient(hits=3)
+    s = side(c)
+    r = request(3 * CHUNK, **{attribute: True})
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, list(range(1, 13)), 0)
+    (st,) = s.build_step(out({"r": 3 * CHUNK})).stores()
+    assert (st.start, st.end) == (0, 3 * CHUNK)
+    assert c.ops("LOOKUP") == [] and c.ops("QUERY") == [] and c.ops("FREE") == []
+    other = request(3 * CHUNK, rid="o", **{attribute: False})
+    s.get_num_new_matched_tokens(other, 0)
+    assert len(c.ops("LOOKUP")) == 1
+
+
+def test_the_resumed_ids_of_each_release() -> None:
+    from lmcache_mp.integrations.vllm.compat import resumed_req_ids
+
+    assert resumed_req_ids(SimpleNamespace(resumed_req_ids={"a"})) == {"a"}  # 0.32 / 0.33
+    assert resumed_req_ids(SimpleNamespace(req_ids=["a"])) == set()  # 0.34: none
+
+
+def test_the_registration_mode_follows_what_vllm_was_told() -> None:
+    from lmcache_mp.integrations.vllm.kv_caches import registration_mode
+
+    # vLLM 0.34 (it asks kv_cache_access): auto on a GPU is engine-driven (IN_PROCESS
+    # keeps vLLM's extensible VMM cache, which CUDA IPC cannot share).
+    assert registration_mode("auto", "cuda", True) == "engine"
+    assert registration_mode("lmcache", "cuda", True) == "lmcache"
+    assert registration_mode("engine", "cuda", True) == "engine"
+    # 0.32 / 0.33, and CPU caches: lmcache_mp's own auto.
+    assert registration_mode("auto", "cuda", False) == "auto"
+    assert registration_mode("auto", "cpu", True) == "auto"
+
+
+def test_a_registration_that_cannot_work_is_refused_at_start_not_retried() -> None:
+    from lmcache_mp.errors import ProtocolMismatch
+    from lmcache_mp.integrations.vllm.kv_caches import refusal
+
+    calls = []
+
+    def register(_instance_id: int | None) -> FakeReg:
+        calls.append(1)
+        raise InvalidArgument(refusal("auto", "engine", "cuda", True,
+                                      ProtocolMismatch("no pool")))
+
+    client = FakeClient()
+    client.close = lambda: None  # type: ignore[attr-defined]
+    w = WorkerSide(ConnectorConfig(health_interval=0.01), client,
+                   placement(["tcp://h:1"], 1, 0), "m")
+    with pytest.raises(InvalidArgument, match="--shm-name NAME") as err:
+        w.set_registration(register, BS)
+    assert "mp_transfer_mode=lmcache_driven" in str(err.value)
+    assert "kv_cache_access IN_PROCESS" in str(err.value)
+    time.sleep(0.05)
+    assert calls == [1] and "lmcache-mp-vllm-register" not in [
+        t.name for t in threading.enumerate()]
+    w.shutdown()
+    lmcache = refusal("lmcache", "lmcache", "cuda", True, InvalidArgument("VMM memory"))
+    assert "set lmcache.mp.mp_transfer_mode=auto or engine_driven" in lmcache
+
+
+def test_a_refusal_found_after_the_server_came_up_stops_the_retries() -> None:
+    calls = []
+
+    def register(_instance_id: int | None) -> FakeReg:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ServerUnavailable("not yet")
+        raise InvalidArgument("the server has no pool")
+
+    client = FakeClient()
+    client.close = lambda: None  # type: ignore[attr-defined]
+    w = WorkerSide(ConnectorConfig(health_interval=0.01), client,
+                   placement(["tcp://h:1"], 1, 0), "m")
+    w.set_registration(register, BS)
+    deadline = time.monotonic() + 5
+    while "lmcache-mp-vllm-register" in [t.name for t in threading.enumerate()]:
+        assert time.monotonic() < deadline, "still retrying a registration that cannot work"
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert calls == [1, 1] and w.reg is None
+    w.shutdown()
+
+
+def test_sleep_unregisters_and_wake_registers_again_under_the_same_instance() -> None:
+    """vLLM 0.33+ (sleep mode) and 0.34 (weight updates): ``unregister_kv_caches``
+    before the memory is released, ``restore_kv_caches`` once fresh memory is behind
+    the same views. Pending stores finish first; while unregistered loads fail (vLLM
+    recomputes) and stores are skipped; the restored registration has the instance id."""
+    regs: list[FakeReg] = []
+    asked: list[int | None] = []
+
+    def register(instance_id: int | None) -> FakeReg:
+        asked.append(instance_id)
+        reg = FakeReg()
+        reg.instance_id = 77 if instance_id is None else instance_id
+        reg.unregistered = False  # type: ignore[attr-defined]
+
+        def unregister(timeout: float) -> None:
+            reg.unregistered = True  # type: ignore[attr-defined]
+
+        reg.unregister = unregister  # type: ignore[method-assign]
+        regs.append(reg)
+        return reg
+
+    client = FakeClient()
+    client.close = lambda: None  # type: ignore[attr-defined]
+    w = WorkerSide(ConnectorConfig(), client, placement(["tcp://h:1"], 1, 0), "m")
+    w.set_registration(register, BS)
+    pending = Future(True, ready=False)
+    regs[0].next = pending
+    w.start_stores(with_tokens([op("STORE")]))
+    finished = threading.Timer(0.1, lambda: setattr(pending, "ready", True))
+    finished.start()
+    w.unregister()
+    finished.join()
+    assert pending.ready, "unregistered while a store still read the cache"
+    assert regs[0].unregistered and w.reg is None and w.stats["stored"] == 1
+    w.unregister()  # idempotent
+    w.start_loads(with_tokens([op("RETRIEVE", "x")]))
+    w.start_stores(with_tokens([op("STORE", "y")]))
+    assert w.get_finished(set())[1] == {"x"} and w.load_errors() == {1, 2, 3, 4}
+    assert w.stats["skipped_stores"] == 1 and len(regs[0].sent) == 1
+    w.restore()
+    w.restore()  # idempotent
+    assert asked == [None, 77] and w.reg is regs[1] and not regs[1].unregistered
+    w.start_loads(with_tokens([op("RETRIEVE", "z")]))
+    assert [s[0] for s in regs[1].sent] == ["RETRIEVE"]
+    w.shutdown()
+
+
+def test_the_amx_request_is_harmless_and_answered_once(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from lmcache_mp.integrations.vllm import amx
+
+    monkeypatch.setattr(amx, "_answer", None)
+    with caplog.at_level("INFO", logger="lmcache_mp"):
+        first = amx.request_amx_tiles()
+        assert amx.request_amx_tiles() == first and first in amx.AMX_STATES
+    assert len([r for r in caplog.records if "AMX tile permission" in r.message]) == 1
+    if "amx_tile" not in open("/proc/cpuinfo").read().split():
+        assert first == "no AMX"
+    else:
+        assert first in ("granted", "already granted")
+    monkeypatch.setattr(amx, "_answer", None)
+    monkeypatch.setattr(amx.platform, "machine", lambda: "aarch64")
+    assert amx.request_amx_tiles() == "not x86-64 Linux"
