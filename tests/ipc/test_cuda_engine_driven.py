@@ -83,7 +83,10 @@ def copied_bytes(drv: FakeDriver) -> int:
 
 
 @pytest.fixture(autouse=True)
-def no_pins_left() -> Iterator[None]:
+def no_pins_left(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # These tests are about the copy plan (caches without torch keep it); the gather
+    # path (tests/ipc/test_cuda_gather.py) is compared with it byte for byte there.
+    monkeypatch.setenv("LMCACHE_MP_GPU_COPY", "plan")
     yield
     for address in list(staging.pinned_pools()):
         staging._pinned.pop(address, None)
@@ -314,12 +317,16 @@ def test_register_modes_for_an_engine_only_cache() -> None:
 
 # ----------------------------------------------------------------- live
 @pytest.mark.live
+@pytest.mark.parametrize("copy_path", ["plan", "gather"])
 @pytest.mark.parametrize("mode", ["engine", "auto"])
 @pytest.mark.parametrize("g", [GEOMETRIES[0], GEOMETRIES[2]], ids=["hnd", "mla"])
 def test_live_round_trip_through_the_server_pool(live_server: LiveServer, g: KVGeometry,
-                                                 mode: str) -> None:
+                                                 mode: str, copy_path: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A VMM-backed (engine-only) fake GPU cache against a real server: STORE through
-    its pool, LOOKUP, RETRIEVE into other blocks, byte for byte."""
+    its pool, LOOKUP, RETRIEVE into other blocks, byte for byte; by the copy plan and
+    by the gather path (torch on the fake's memory)."""
+    monkeypatch.setenv("LMCACHE_MP_GPU_COPY", copy_path)
     drv = FakeDriver()
     with Client(live_server.url, timeout=10.0) as client:
         chunk = client.chunk_size()
@@ -347,6 +354,7 @@ def test_live_round_trip_through_the_server_pool(live_server: LiveServer, g: KVG
                 want = layer[src] if g.mla else layer[:, src]
                 assert got.tobytes() == want.tobytes()
             assert {c[-1] for c in drv.calls if c[0].startswith("memcpy")} == {STREAM}
+            assert (cache.gather_copier() is None) == (copy_path == "plan")
             assert drv.pinned, "the server's pool is page-locked while registered"
         finally:
             reg.unregister()
@@ -368,9 +376,13 @@ def _real_driver() -> Any:
     return drv
 
 
-def test_real_gpu_copies_match_the_cpu_copy() -> None:
-    """The same plan through cuda-python on a real GPU: blocks -> a page-locked
-    mmap'd pool -> other blocks, byte for byte against the CPU implementation."""
+@pytest.mark.parametrize("copy_path", ["plan", "gather"])
+def test_real_gpu_copies_match_the_cpu_copy(copy_path: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy plan and the gather path through cuda-python on a real GPU: blocks ->
+    a page-locked mmap'd pool -> other blocks, byte for byte against the CPU
+    implementation."""
+    monkeypatch.setenv("LMCACHE_MP_GPU_COPY", copy_path)
     drv = _real_driver()
     g = GEOMETRIES[0]
     cache = CudaKVCache.allocate(num_layers=g.num_layers, num_blocks=g.num_blocks,
@@ -408,6 +420,7 @@ def test_real_gpu_copies_match_the_cpu_copy() -> None:
             drv.memcpy(got.ctypes.data, ptr, g.layer_nbytes)
             assert got.tobytes() == want.tobytes()
         assert staging.pinned_pools().get(buf.ctypes.data) == len(buf)
+        assert (cache.gather_copier() is not None) == (copy_path == "gather")
     finally:
         staging.unpin(buf)
         del buf, layers

@@ -308,24 +308,48 @@ def test_default_stream_is_torchs_current_stream(cache: Any) -> None:
 
 
 @needs_gpu
-def test_expandable_segments_are_refused() -> None:
+def test_expandable_segments_export_as_vmm_and_round_trip_engine_driven() -> None:
+    """PyTorch's expandable segments are CUDA VMM memory (cuMemCreate): from_torch
+    exports them as a POSIX-fd VMM share (not a cudaIpcMemHandle_t, which cannot name
+    them), which no released server opens, so the cache is engine-driven only; and an
+    engine-driven round trip (the gather path: blocks -> a page-locked pool -> other
+    blocks) moves every bit. In a child: the allocator setting must precede CUDA."""
     pytest.importorskip("torch")
     code = (
-        "import torch\n"
-        "from lmcache_mp.ipc.cuda import CudaKVCache\n"
-        "from lmcache_mp.errors import InvalidArgument\n"
+        "import mmap, numpy as np, torch\n"
+        "from lmcache_mp.ipc.cuda import CudaKVCache, staging\n"
+        "from lmcache_mp.protocol.types import PoolSlot\n"
+        "from lmcache_mp.session.engine_driven import Pool, copy_from_slots, copy_into_slots\n"
         # 8 MiB: from the large pool, where expandable segments surely apply.
         "t = torch.zeros((2, 256, 8, 16, 64), dtype=torch.bfloat16, device='cuda')\n"
-        "try:\n"
-        "    CudaKVCache.from_torch([t])\n"
-        "    print('ACCEPTED')\n"
-        "except InvalidArgument as e:\n"
-        "    print('REFUSED', e)\n"
+        "bits = t.view(torch.int16)\n"
+        "bits.copy_(torch.randint(-32768, 32768, bits.shape, dtype=torch.int16, device='cuda'))\n"
+        "cache = CudaKVCache.from_torch([t])\n"
+        "kinds = sorted({e.vmm.kind if e.vmm else 'legacy' for e in cache.exports})\n"
+        "print('EXPORT', kinds, cache.server_mappable)\n"
+        "g, chunk = cache.geometry, 256\n"
+        "shape = [2, 1, chunk, g.hidden_dim]\n"
+        "nbytes = 2 * chunk * g.hidden_dim * 2\n"
+        "m = mmap.mmap(-1, 3 * nbytes)\n"
+        "buf = np.frombuffer(m, dtype=np.uint8)\n"
+        "pool = Pool('vmm-test', len(buf), 0, buf)\n"
+        "slots = [PoolSlot(offset=(1 - i) * nbytes, length=nbytes, shape=shape,\n"
+        "                  dtype='bfloat16') for i in range(2)]\n"
+        "src = np.arange(10, 42, dtype=np.int64)\n"
+        "dst = np.array(list(range(100, 116)) + list(range(60, 76)), dtype=np.int64)\n"
+        "copy_into_slots(cache, src, slots, [0, 1], pool, chunk)\n"
+        "copy_from_slots(cache, dst, slots, pool, chunk, 0)\n"
+        "torch.cuda.synchronize()\n"
+        "same = torch.equal(bits[:, torch.as_tensor(src).cuda()], bits[:, torch.as_tensor(dst).cuda()])\n"
+        "print('ROUNDTRIP', same, cache.gather_copier() is not None)\n"
+        "staging.unpin(buf)\n"
+        "cache.close()\n"
     )
     env = _child_env()
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("REFUSED"), proc.stdout
-    assert "expandable" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert "EXPORT ['posix_fd'] False" in lines, proc.stdout
+    assert "ROUNDTRIP True True" in lines, proc.stdout

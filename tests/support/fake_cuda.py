@@ -285,6 +285,14 @@ class FakeDriver:
 
         self.queued.append((stream, run))
 
+    def torch_bytes(self, ptr: int, nbytes: int, device: int) -> Any:
+        """The fake's device memory as a CPU torch tensor over its numpy backing: the
+        gather path runs its torch operations on it, as on CUDA tensors."""
+        import torch
+
+        self.calls.append(("torch_bytes", ptr, nbytes, device))
+        return torch.from_numpy(self._memory(ptr, nbytes))
+
     def memcpy(self, dst: int, src: int, nbytes: int) -> None:
         self.calls.append(("memcpy", dst, src, nbytes))
         self._memory(dst, nbytes)[:] = self._memory(src, nbytes)

@@ -24,6 +24,8 @@ writes the KV cache on when it is neither.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -42,9 +44,12 @@ from .export import (
     on_device,
     stream_handle,
 )
+from .gather import GatherCopier, gather_unavailable
 from .torch_layers import checked_geometry, torch_layer_layout, torch_views
 
 __all__ = ["CudaKVCache", "WrapperFormat", "WRAPPER_FORMATS"]
+
+log = logging.getLogger("lmcache_mp")
 
 WrapperFormat = Literal["auto", "raw", "torch_ipc"]
 WRAPPER_FORMATS: tuple[WrapperFormat, ...] = ("auto", "raw", "torch_ipc")
@@ -96,6 +101,10 @@ class CudaKVCache:
         with on_device(driver, device):
             self.device_uuid = driver.device_info(device).uuid
         self._closed = False
+        # Engine-driven copies' gather / scatter machinery (made on the first copy).
+        self._copier_lock = threading.Lock()
+        self._copier: GatherCopier | None = None
+        self._copier_refused: str | None = None
 
     # ------------------------------------------------------------ builders
     @classmethod
@@ -403,6 +412,42 @@ class CudaKVCache:
         with on_device(self._driver, self.device):
             self._driver.stream_synchronize(self.resolve_stream(stream))
 
+    def gather_copier(self) -> GatherCopier | None:
+        """The gather / scatter path of this cache's engine-driven copies
+        (:mod:`.gather`: torch over the device memory, a staging buffer of its own),
+        made on first use; None where it cannot run (no torch, ``LMCACHE_MP_GPU_COPY=
+        plan``), said once in the log: the copy plan of :mod:`.staging` moves the
+        blocks then."""
+        with self._copier_lock:
+            self._check_open()
+            if self._copier is None and self._copier_refused is None:
+                why = gather_unavailable(self._driver)
+                if why is None:
+                    try:
+                        with on_device(self._driver, self.device):
+                            self._copier = GatherCopier(
+                                self._driver, self.device, self.geometry,  # type: ignore[arg-type]
+                                self.layer_ptrs)
+                    except Exception as exc:  # torch without CUDA, a driver refusal
+                        why = f"{type(exc).__name__}: {exc}"
+                if why is not None:
+                    self._copier_refused = why
+                    log.info("lmcache_mp: engine-driven GPU copies of %r use the copy "
+                             "plan (one DMA per head and run of blocks), not the "
+                             "gather path: %s", self, why)
+            return self._copier
+
+    @property
+    def copy_path(self) -> str:
+        """How engine-driven copies move this cache's blocks: ``"gather"`` (one gather /
+        scatter per layer and plane, one DMA per chunk object), ``"plan: <why>"`` (one
+        DMA per head and run of blocks), or ``"undecided"`` before the first copy."""
+        if self._copier is not None:
+            return "gather"
+        if self._copier_refused is not None:
+            return f"plan: {self._copier_refused}"
+        return "undecided"
+
     # ------------------------------------------------------------ lifetime
     def unlink(self) -> None:
         """A no-op: CUDA memory stays exportable until it is freed by :meth:`close`."""
@@ -411,9 +456,14 @@ class CudaKVCache:
     def close(self) -> None:
         """Drop our references to the memory: memory from :meth:`allocate` is freed
         now, or when the last torch view of it goes. Idempotent."""
+        with self._copier_lock:
+            copier, self._copier = self._copier, None
+            self._closed = True
+        if copier is not None:
+            with on_device(self._driver, self.device):
+                copier.close()
         self._torch_layers = None
         self._owners = []
-        self._closed = True
         for e in self._exports:  # VMM exports: their fds
             if e.vmm is not None:
                 e.vmm.close()

@@ -327,6 +327,16 @@ class CudaBindingsDriver:
             raise CudaError(f"cudaMemcpy3DParms: {exc!r}", call="cudaMemcpy3DAsync") from exc
         self._rt_call("cudaMemcpy3DAsync", params, stream)
 
+    def torch_bytes(self, ptr: int, nbytes: int, device: int) -> Any:
+        """The device memory at ``ptr`` (any kind: cudaMalloc, VMM, pool) as a CUDA
+        uint8 torch tensor, neither copied nor owned (the gather path's views)."""
+        import torch
+
+        from .torch_layers import CudaArrayView
+
+        return torch.as_tensor(CudaArrayView(None, ptr, nbytes),
+                               device=torch.device("cuda", device))
+
     def memcpy(self, dst: int, src: int, nbytes: int) -> None:
         self._rt_call("cudaMemcpy", dst, src, nbytes, self._rt.cudaMemcpyKind.cudaMemcpyDefault)
 

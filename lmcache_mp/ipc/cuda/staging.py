@@ -302,11 +302,15 @@ def device_copy_into_slots(cache: ExportableKVCache, ids: np.ndarray, targets: S
     """STORE: copy the blocks of chunks ``chunk_indices`` into the checked slot views
     ``targets`` (pool memory), and wait for the copies before returning."""
     cuda, drv, handle = _cache_parts(cache, stream)
-    plan = store_plan(cuda.geometry, cuda.layer_ptrs, ids,
-                      [int(t.ctypes.data) for t in targets], chunk_indices, chunk_tokens)
+    addrs = [int(t.ctypes.data) for t in targets]
+    copier = cuda.gather_copier()
     with on_device(drv, cuda.device):
         _ensure_pinned(drv, cuda.device, pool_view)
-        run_plan(drv, plan, handle)
+        if copier is not None:
+            copier.store(ids, addrs, chunk_indices, chunk_tokens, handle)
+        else:
+            run_plan(drv, store_plan(cuda.geometry, cuda.layer_ptrs, ids, addrs,
+                                     chunk_indices, chunk_tokens), handle)
         drv.stream_synchronize(handle)
 
 
@@ -316,9 +320,13 @@ def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: S
     """RETRIEVE: copy the checked slot views ``sources`` into the blocks, leaving the
     first ``skip_blocks`` alone, and wait for the copies before returning."""
     cuda, drv, handle = _cache_parts(cache, stream)
-    plan = retrieve_plan(cuda.geometry, cuda.layer_ptrs, ids,
-                         [int(s.ctypes.data) for s in sources], chunk_tokens, skip_blocks)
+    addrs = [int(s.ctypes.data) for s in sources]
+    copier = cuda.gather_copier()
     with on_device(drv, cuda.device):
         _ensure_pinned(drv, cuda.device, pool_view)
-        run_plan(drv, plan, handle)
+        if copier is not None and copier.can_scatter(ids[skip_blocks:]):
+            copier.retrieve(ids, addrs, chunk_tokens, skip_blocks, handle)
+        else:
+            run_plan(drv, retrieve_plan(cuda.geometry, cuda.layer_ptrs, ids, addrs,
+                                        chunk_tokens, skip_blocks), handle)
         drv.stream_synchronize(handle)

@@ -1,0 +1,288 @@
+"""Engine-driven GPU copies as one gather (STORE) or scatter (RETRIEVE) per layer and
+K/V plane, through a device staging buffer, and one DMA per chunk object.
+
+Why. A chunk object is token-major (``[planes, layers, tokens, heads * head_dim]``)
+and the cache's blocks are wherever vLLM's block table says, in the layout the engine
+chose (HND, NHD, fused K/V, blocks-first, MLA, padded strides). Copying that with the
+copy engine alone (:func:`~lmcache_mp.ipc.cuda.staging.run_plan`) takes one
+``cudaMemcpy2D/3DAsync`` per (plane, layer, head, run of consecutive blocks):
+thousands of small DMAs per transfer, 4-5 GB/s on an H200 against a 52-55 GB/s pinned
+copy, 1.4 GB/s for blocks-first layouts (2026-12-04). Here the reordering is done by
+the GPU, at HBM speed, and the PCIe side is one large DMA per chunk object:
+
+* STORE: for each (plane, layer) one ``index_select`` of the transfer's blocks into
+  the staging buffer ``[planes, layers, k * tokens, hidden]`` (k chunk objects at a
+  time), the blocks read through a strided view of the layer in token-major order;
+  then one ``cudaMemcpy2DAsync`` per chunk object into its (page-locked) pool slot.
+* RETRIEVE: one 2-D DMA per chunk object into the staging buffer, then one
+  ``index_copy_`` per (plane, layer) into the blocks (the skipped leading blocks are
+  left out of the index).
+
+Everything is queued on the caller's stream, after the work already there; the
+caller synchronises that stream as before. The staging buffer is allocated once per
+cache with the driver, grown up to :data:`STAGING_LIMIT_BYTES` (more chunks than fit
+are moved in several rounds through the same buffer, ordered by the stream), reused
+under a lock, and freed with the cache.
+
+The gather and scatter are torch operations on tensors over raw device addresses
+(:meth:`GatherDriver.torch_bytes`), viewed as the widest integer type the layout
+allows (bits are moved, never floats: random bf16 bits hold NaNs). With a driver whose
+"device" memory is host memory (the tests' fake) the very same code runs on CPU
+tensors, so CI proves the bytes against the copy plan for every layout.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import numpy as np
+
+from ...errors import InvalidArgument
+from ..base import KVGeometry
+from .driver import CudaDriver
+
+__all__ = ["GatherDriver", "GatherCopier", "STAGING_LIMIT_BYTES", "gather_unavailable",
+           "block_views"]
+
+
+def _staging_limit() -> int:
+    raw = os.environ.get("LMCACHE_MP_STAGING_MB", "")
+    try:
+        mib = int(raw) if raw else 256
+    except ValueError:
+        raise InvalidArgument(f"LMCACHE_MP_STAGING_MB={raw!r} is not a whole number of "
+                              f"MiB (default 256)") from None
+    return max(1, mib) << 20
+
+
+#: Most device memory one cache's staging buffer takes (``LMCACHE_MP_STAGING_MB``,
+#: default 256 MiB); at least one chunk object whatever this says.
+STAGING_LIMIT_BYTES = _staging_limit()
+
+
+class GatherDriver(CudaDriver, Protocol):
+    """The driver calls the gather path needs beyond :class:`CudaDriver`."""
+
+    def memcpy_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
+                        height: int, stream: int) -> None: ...
+
+    def torch_bytes(self, ptr: int, nbytes: int, device: int) -> Any:
+        """The memory at ``ptr`` as a 1-D uint8 torch tensor on the device (no copy,
+        no ownership)."""
+        ...
+
+
+def gather_unavailable(driver: object) -> str | None:
+    """Why this driver's caches cannot use the gather path (None: they can)."""
+    if os.environ.get("LMCACHE_MP_GPU_COPY", "") == "plan":
+        return "LMCACHE_MP_GPU_COPY=plan"
+    if not hasattr(driver, "torch_bytes") or not hasattr(driver, "memcpy_2d_async"):
+        return f"the driver {type(driver).__name__} has no torch_bytes / memcpy_2d_async"
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "torch is not installed"
+    return None
+
+
+_INT_TYPES = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+
+
+def _unit(g: KVGeometry, ptrs: Sequence[int]) -> int:
+    """The widest integer (bytes) every head row, block stride and layer address is a
+    multiple of: a head row of 256 bytes moves as 32 int64s instead of 128 int16s."""
+    row = g.head_dim * g.itemsize
+    for unit in (8, 4, 2):
+        if not (row % unit or (g.block_stride * g.itemsize) % unit
+                or any(p % unit for p in ptrs)):
+            return unit
+    return 1
+
+
+def block_views(g: KVGeometry, layers: Sequence[Any], unit: int) -> list[list[Any]]:
+    """Per plane, per layer: the layer's blocks as ``[num_blocks, block_size, heads,
+    row]`` (token-major inside a block, whatever the layout), ``row`` in ``unit``-byte
+    integers, over the flat integer tensors ``layers``."""
+    row = g.head_dim * g.itemsize // unit
+    h, bs, nb = g.num_heads, g.block_size, g.num_blocks
+    if g.mla:
+        h = 1
+    head_elems = g.head_dim * g.itemsize // unit  # == row
+    block = bs * h * head_elems                    # one plane's block, in units
+    step = g.block_step * g.itemsize // unit       # fused / MLA: block to block
+    if g.mla or g.fused:
+        planes = 1
+        strides = ((step, h * row, row, 1) if g.layout == "NHD" or h == 1
+                   else (step, row, bs * row, 1))
+        offsets = [0]
+    else:
+        planes = 2
+        strides = ((block, h * row, row, 1) if g.layout == "NHD"
+                   else (block, row, bs * row, 1))
+        offsets = [0, nb * block]
+    size = (nb, bs, h, row)
+    return [[t.as_strided(size, strides, off) for t in layers] for off in offsets[:planes]]
+
+
+class GatherCopier:
+    """One cache's gather / scatter machinery: its layers' block views and the staging
+    buffer. Thread-safe (one transfer at a time uses the buffer)."""
+
+    def __init__(self, driver: GatherDriver, device: int, g: KVGeometry,
+                 layer_ptrs: Sequence[int]) -> None:
+        import torch
+
+        self._torch = torch
+        self._drv = driver
+        self._device = device
+        self._g = g
+        self._unit = _unit(g, layer_ptrs)
+        dtype = getattr(torch, _INT_TYPES[self._unit])
+        raw = [driver.torch_bytes(p, g.layer_nbytes, device) for p in layer_ptrs]
+        # The flat layers as integers of the unit (a blocks-first layer's span may not
+        # end on one: the views never reach past its last block).
+        flat = [t[: g.layer_nbytes // self._unit * self._unit].view(dtype) for t in raw]
+        self._views = block_views(g, flat, self._unit)
+        self._dtype = dtype
+        self._row = g.head_dim * g.itemsize // self._unit
+        self._hidden_units = (1 if g.mla else g.num_heads) * self._row
+        self.is_cuda = raw[0].device.type == "cuda"
+        self._lock = threading.Lock()
+        self._staging_ptr = 0
+        self._staging_bytes = 0
+        self._staging: Any = None
+        self._closed = False
+
+    # ------------------------------------------------------------ staging
+    def _ensure_staging(self, nbytes: int) -> Any:
+        if nbytes > self._staging_bytes:
+            self._free_staging()
+            self._staging_ptr = self._drv.malloc(nbytes)
+            self._staging_bytes = nbytes
+            self._staging = self._drv.torch_bytes(self._staging_ptr, nbytes, self._device)
+        return self._staging
+
+    def _free_staging(self) -> None:
+        if self._staging_ptr:
+            ptr, self._staging_ptr, self._staging_bytes, self._staging = \
+                self._staging_ptr, 0, 0, None
+            self._drv.free(ptr)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device memory the staging buffer holds now."""
+        return self._staging_bytes
+
+    def close(self) -> None:
+        """Free the staging buffer (the caller synchronised every stream it used)."""
+        with self._lock:
+            self._closed = True
+            self._views = []
+            self._free_staging()
+
+    # ------------------------------------------------------------ copies
+    @contextmanager
+    def _on_stream(self, stream: int) -> Iterator[None]:
+        if not self.is_cuda:
+            yield
+            return
+        torch = self._torch
+        ext = torch.cuda.ExternalStream(stream, device=torch.device("cuda", self._device))
+        with torch.cuda.device(self._device), torch.cuda.stream(ext):
+            yield
+
+    def _rounds(self, count: int, object_bytes: int) -> int:
+        """Chunk objects per round: as many as the staging limit holds, at least one."""
+        return max(1, min(count, STAGING_LIMIT_BYTES // max(1, object_bytes)))
+
+    def _stream_order(self, stream: int) -> None:
+        """Before torch touches what a queued driver copy writes or reads: on CUDA the
+        stream orders them; CPU tensors (the tests' driver) run at once, so the
+        stream's queued copies are run first."""
+        if not self.is_cuda:
+            self._drv.stream_synchronize(stream)
+
+    def _index(self, ids: np.ndarray) -> Any:
+        t = self._torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        # From pageable memory: the source is consumed before the call returns.
+        return t.to(self._views[0][0].device, non_blocking=True) if self.is_cuda else t
+
+    def store(self, ids: np.ndarray, slot_addrs: Sequence[int],
+              chunk_indices: Sequence[int], chunk_tokens: int, stream: int) -> None:
+        """Blocks -> slots: slot ``slot_addrs[i]`` gets chunk ``chunk_indices[i]`` of
+        the key (its blocks ``ids[ci * per : (ci + 1) * per]``). Queued on ``stream``."""
+        g = self._g
+        per = chunk_tokens // g.block_size
+        planes, nl = len(self._views), g.num_layers
+        obj_units = planes * nl * chunk_tokens * self._hidden_units
+        width = chunk_tokens * self._hidden_units * self._unit  # one (plane, layer) row
+        k_max = self._rounds(len(slot_addrs), obj_units * self._unit)
+        with self._lock, self._on_stream(stream):
+            self._check_open()
+            staging = self._ensure_staging(k_max * obj_units * self._unit)
+            for first in range(0, len(slot_addrs), k_max):
+                addrs = slot_addrs[first:first + k_max]
+                cis = chunk_indices[first:first + k_max]
+                k = len(addrs)
+                if first:
+                    self._stream_order(stream)  # the last round's DMAs read the buffer
+                idx = self._index(np.concatenate(
+                    [ids[ci * per:(ci + 1) * per] for ci in cis]))
+                stg = staging[: k * obj_units * self._unit].view(self._dtype).view(
+                    planes, nl, k * per, g.block_size, -1, self._row)
+                for p in range(planes):
+                    for layer in range(nl):
+                        self._torch.index_select(self._views[p][layer], 0, idx,
+                                                 out=stg[p, layer])
+                base = self._staging_ptr
+                for s, addr in enumerate(addrs):
+                    self._drv.memcpy_2d_async(int(addr), width, base + s * width,
+                                              k * width, width, planes * nl, stream)
+
+    def retrieve(self, ids: np.ndarray, slot_addrs: Sequence[int], chunk_tokens: int,
+                 skip_blocks: int, stream: int) -> None:
+        """Slots -> blocks: slot ``i`` holds chunk ``i`` of the key; the key's first
+        ``skip_blocks`` blocks are left untouched. Queued on ``stream``. Block ids must
+        be distinct (:meth:`can_scatter`)."""
+        g = self._g
+        per = chunk_tokens // g.block_size
+        planes, nl = len(self._views), g.num_layers
+        obj_units = planes * nl * chunk_tokens * self._hidden_units
+        width = chunk_tokens * self._hidden_units * self._unit
+        k_max = self._rounds(len(slot_addrs), obj_units * self._unit)
+        with self._lock, self._on_stream(stream):
+            self._check_open()
+            staging = self._ensure_staging(k_max * obj_units * self._unit)
+            for first in range(0, len(slot_addrs), k_max):
+                addrs = slot_addrs[first:first + k_max]
+                k = len(addrs)
+                start_block = first * per
+                skip = min(k * per, max(0, skip_blocks - start_block))
+                if skip == k * per:
+                    continue  # every block of this round is skipped
+                base = self._staging_ptr
+                for s, addr in enumerate(addrs):
+                    self._drv.memcpy_2d_async(base + s * width, k * width, int(addr),
+                                              width, width, planes * nl, stream)
+                self._stream_order(stream)
+                idx = self._index(ids[start_block + skip:start_block + k * per])
+                stg = staging[: k * obj_units * self._unit].view(self._dtype).view(
+                    planes, nl, k * per, g.block_size, -1, self._row)
+                for p in range(planes):
+                    for layer in range(nl):
+                        self._views[p][layer].index_copy_(0, idx, stg[p, layer, skip:])
+
+    @staticmethod
+    def can_scatter(ids: np.ndarray) -> bool:
+        """A scatter writes every block once: block ids repeated within one RETRIEVE
+        (the null block 0 of padded tables) keep the ordered copy plan, whose last
+        write wins."""
+        return len(np.unique(ids)) == len(ids)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this CudaKVCache is closed; allocate a new one")

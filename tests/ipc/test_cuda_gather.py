@@ -1,0 +1,270 @@
+"""The gather / scatter path of engine-driven GPU copies (lmcache_mp.ipc.cuda.gather)
+against the copy plan it replaces (lmcache_mp.ipc.cuda.staging.run_plan), byte for
+byte, for every layout a cache can hold: HND, NHD, one head, MLA, vLLM's fused K/V
+(HND and NHD interiors), blocks-first fused layers (blocks a page apart), padded block
+strides, rows too narrow for int64 moves, one-byte dtypes.
+
+The fake driver backs "device" memory with host memory and hands torch CPU tensors
+over it (FakeDriver.torch_bytes), so the very code that runs on CUDA tensors on a GPU
+runs here on CPU tensors; its driver copies (the DMAs to and from the pool) run when
+their stream is synchronised. On a GPU, scripts/gpu_check.sh runs the same path on
+every layout against a real server, and tests/ipc/test_cuda_engine_driven.py's
+test_real_gpu_copies_match_the_cpu_copy on CUDA memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lmcache_mp.ipc.base import KVGeometry
+from lmcache_mp.ipc.cuda import CudaKVCache, gather, staging
+from lmcache_mp.protocol.types import PoolSlot
+from lmcache_mp.session.engine_driven import Pool, copy_from_slots, copy_into_slots
+
+from ..support.fake_cuda import FakeDriver
+
+pytest.importorskip("torch")
+
+STREAM = 0x5EED
+CHUNK = 32
+
+
+def geom(layers: int, blocks: int, bs: int, heads: int, dim: int, dtype: str, *,
+         mla: bool = False, layout: str = "HND", fused: bool = False,
+         block_stride: int = 0) -> KVGeometry:
+    return KVGeometry(layers, blocks, bs, heads, dim, dtype, mla, layout,  # type: ignore[arg-type]
+                      fused, block_stride)
+
+
+GEOMETRIES = {
+    "hnd": geom(2, 12, 8, 4, 16, "bfloat16"),
+    "hnd-1head": geom(3, 10, 16, 1, 32, "float32"),
+    "nhd": geom(2, 12, 8, 4, 16, "bfloat16", layout="NHD"),
+    "nhd-odd-row": geom(3, 10, 16, 3, 6, "float16", layout="NHD"),  # 12-byte rows: int32
+    "mla": geom(2, 12, 8, 1, 64, "float16", mla=True),
+    "fp8-hnd": geom(2, 11, 8, 2, 5, "float8_e4m3fn"),                # 5-byte rows: bytes
+    "fused-hnd": geom(2, 12, 8, 4, 32, "bfloat16", fused=True),     # vLLM LBHNC
+    "fused-nhd": geom(2, 12, 8, 4, 32, "bfloat16", layout="NHD", fused=True),  # LBNHC
+    # vLLM's blocks-first BLHNC / BLNHC: every layer's block in one page, so a layer's
+    # blocks are num_layers pages apart (here 2 layers: twice a block).
+    "blocks-first-hnd": geom(2, 12, 8, 4, 32, "bfloat16", fused=True,
+                             block_stride=2 * 8 * 4 * 32),
+    "blocks-first-nhd": geom(2, 12, 8, 4, 32, "bfloat16", layout="NHD", fused=True,
+                             block_stride=2 * 8 * 4 * 32),
+    # a block stride that is no multiple of the page (padding between blocks)
+    "padded-stride": geom(3, 9, 8, 2, 16, "bfloat16", layout="NHD", fused=True,
+                          block_stride=8 * 2 * 16 + 24),
+}
+
+
+def forget_pins() -> None:
+    """Each run has a driver of its own: a pool at a recycled address is pinned anew."""
+    for address in list(staging.pinned_pools()):
+        staging._pinned.pop(address, None)
+    staging._no_3d.clear()
+
+
+@pytest.fixture(autouse=True)
+def clean_pins() -> Iterator[None]:
+    yield
+    forget_pins()
+
+
+def fake_cache(g: KVGeometry, seed: int) -> tuple[FakeDriver, CudaKVCache, list[np.ndarray]]:
+    """A cache over fake device memory filled with random bytes (layers of a
+    blocks-first cache share nothing here, but their blocks are strided all the same),
+    with each layer's raw bytes (numpy views over the fake's backing)."""
+    drv = FakeDriver()
+    ptrs = [drv.add_alloc(g.layer_nbytes, "vmm") for _ in range(g.num_layers)]
+    cache = CudaKVCache.from_pointers(
+        ptrs, num_blocks=g.num_blocks, block_size=g.block_size, num_heads=g.num_heads,
+        head_dim=g.head_dim, dtype=g.dtype, mla=g.mla, layout=g.layout, fused=g.fused,
+        block_stride=g.block_stride, driver=drv)
+    rng = np.random.default_rng(seed)
+    raws = []
+    for p in ptrs:
+        raw = drv._memory(p, g.layer_nbytes)
+        raw[:] = rng.integers(0, 256, g.layer_nbytes, dtype=np.uint8)
+        raws.append(raw)
+    return drv, cache, raws
+
+
+def object_shape(g: KVGeometry) -> list[int]:
+    return ([g.num_layers, CHUNK, g.hidden_dim] if g.kv_planes == 1
+            else [2, g.num_layers, CHUNK, g.hidden_dim])
+
+
+def pool_and_slots(g: KVGeometry, n: int, seed: int | None = None
+                   ) -> tuple[Pool, list[PoolSlot], np.ndarray]:
+    nbytes = int(np.prod(object_shape(g))) * g.itemsize
+    buf = np.zeros(nbytes * (n + 2), np.uint8)
+    if seed is not None:
+        buf[:] = np.random.default_rng(seed).integers(0, 256, len(buf), dtype=np.uint8)
+    # Slots out of order and not at 0: offsets must be honoured.
+    slots = [PoolSlot(offset=(n - i) * nbytes, length=nbytes, shape=object_shape(g),
+                      dtype=g.dtype) for i in range(n)]
+    return Pool("test", len(buf), 0, buf), slots, buf
+
+
+def run_store(g: KVGeometry, path: str, ids: np.ndarray, order: list[int],
+              monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, FakeDriver, CudaKVCache]:
+    monkeypatch.setenv("LMCACHE_MP_GPU_COPY", path)
+    forget_pins()
+    drv, cache, _ = fake_cache(g, seed=11)
+    pool, slots, buf = pool_and_slots(g, len(order))
+    copy_into_slots(cache, ids, slots, order, pool, CHUNK, stream=STREAM)  # type: ignore[arg-type]
+    assert (cache.gather_copier() is None) == (path == "plan")
+    return buf.tobytes(), drv, cache
+
+
+def run_retrieve(g: KVGeometry, path: str, ids: np.ndarray, skip_tokens: int,
+                 monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, FakeDriver, CudaKVCache]:
+    monkeypatch.setenv("LMCACHE_MP_GPU_COPY", path)
+    forget_pins()
+    drv, cache, raws = fake_cache(g, seed=12)
+    per = CHUNK // g.block_size
+    pool, slots, _ = pool_and_slots(g, len(ids) // per, seed=13)
+    copy_from_slots(cache, ids, slots, pool, CHUNK, skip_tokens, stream=STREAM)  # type: ignore[arg-type]
+    return b"".join(r.tobytes() for r in raws), drv, cache
+
+
+def block_ids(g: KVGeometry, chunks: int, seed: int) -> np.ndarray:
+    """Distinct, scattered block ids (a run of consecutive ones among them)."""
+    per = CHUNK // g.block_size
+    ids = np.random.default_rng(seed).permutation(g.num_blocks)[: chunks * per]
+    return ids.astype(np.int64)
+
+
+@pytest.mark.parametrize("name", GEOMETRIES)
+def test_store_gathers_the_bytes_the_plan_copies(name: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    g = GEOMETRIES[name]
+    ids = block_ids(g, 2, seed=1)
+    want, _, _ = run_store(g, "plan", ids, [1, 0], monkeypatch)
+    got, drv, cache = run_store(g, "gather", ids, [1, 0], monkeypatch)
+    assert got == want
+    assert any(want), "the objects were written"
+    # One DMA per chunk object, each a 2-D copy of (planes x layers) rows, on the
+    # caller's stream, synchronised last; no 3-D copy, no per-head copy.
+    dmas = [c for c in drv.calls if c[0] in ("memcpy2d", "memcpy3d")]
+    assert [c[0] for c in dmas] == ["memcpy2d", "memcpy2d"]
+    assert all(c[6] == g.kv_planes * g.num_layers and c[-1] == STREAM for c in dmas)
+    assert drv.calls[-1] == ("stream_sync", STREAM) and not drv.queued
+    copier = cache.gather_copier()
+    assert copier is not None and copier.staging_bytes == 2 * len(want) // 4
+
+
+@pytest.mark.parametrize("name", GEOMETRIES)
+@pytest.mark.parametrize("skip_tokens", [0, 8, CHUNK + 8, 2 * CHUNK])
+def test_retrieve_scatters_the_bytes_the_plan_copies(name: str, skip_tokens: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    g = GEOMETRIES[name]
+    if skip_tokens % g.block_size:
+        pytest.skip("skips are whole blocks")
+    ids = block_ids(g, 2, seed=2)
+    want, _, _ = run_retrieve(g, "plan", ids, skip_tokens, monkeypatch)
+    got, drv, _ = run_retrieve(g, "gather", ids, skip_tokens, monkeypatch)
+    assert got == want  # the retrieved blocks, and every other byte left as it was
+    dmas = [c for c in drv.calls if c[0] in ("memcpy2d", "memcpy3d")]
+    assert {c[0] for c in dmas} <= {"memcpy2d"} and len(dmas) <= 2
+    assert {c[-1] for c in dmas} <= {STREAM} and drv.calls[-1] == ("stream_sync", STREAM)
+
+
+@pytest.mark.parametrize("name", ["hnd", "blocks-first-nhd", "mla"])
+def test_rounds_through_a_small_staging_buffer(name: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """More chunks than the staging limit holds: several rounds through one buffer of
+    one object, each round's DMAs ordered before the next round overwrites it."""
+    g = GEOMETRIES[name]
+    g = KVGeometry(g.num_layers, 3 * g.num_blocks, g.block_size, g.num_heads, g.head_dim,
+                   g.dtype, g.mla, g.layout, g.fused,
+                   g.block_stride)
+    ids = block_ids(g, 5, seed=3)
+    want, _, _ = run_store(g, "plan", ids, [4, 2, 0, 1, 3], monkeypatch)
+    obj = int(np.prod(object_shape(g))) * g.itemsize
+    monkeypatch.setattr(gather, "STAGING_LIMIT_BYTES", 2 * obj)
+    got, drv, cache = run_store(g, "gather", ids, [4, 2, 0, 1, 3], monkeypatch)
+    assert got == want
+    copier = cache.gather_copier()
+    assert copier is not None and copier.staging_bytes == 2 * obj
+    assert sum(c[0] == "malloc" for c in drv.calls) == 1  # allocated once, reused
+    back_want, _, _ = run_retrieve(g, "plan", ids, CHUNK + 8, monkeypatch)
+    back_got, _, _ = run_retrieve(g, "gather", ids, CHUNK + 8, monkeypatch)
+    assert back_got == back_want
+
+
+def test_a_planted_wrong_index_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison can fail: the gather given the neighbouring blocks' ids (one
+    block off) writes other bytes than the plan, on store and on retrieve."""
+    g = GEOMETRIES["blocks-first-hnd"]
+    ids = block_ids(g, 2, seed=4)
+    want, _, _ = run_store(g, "plan", ids, [0, 1], monkeypatch)
+    back_want, _, _ = run_retrieve(g, "plan", ids, 0, monkeypatch)
+    real_index = gather.GatherCopier._index
+
+    def off_by_one(self: Any, ids: np.ndarray) -> Any:
+        return real_index(self, (np.asarray(ids) + 1) % g.num_blocks)
+
+    monkeypatch.setattr(gather.GatherCopier, "_index", off_by_one)
+    got, _, _ = run_store(g, "gather", ids, [0, 1], monkeypatch)
+    back_got, _, _ = run_retrieve(g, "gather", ids, 0, monkeypatch)
+    assert got != want and back_got != back_want
+
+
+def test_a_planted_wrong_view_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HND blocks read as if NHD (heads and tokens swapped): other bytes than the
+    plan's, so the layout of the views is what the comparison checks."""
+    g = GEOMETRIES["hnd"]
+    ids = block_ids(g, 2, seed=5)
+    want, _, _ = run_store(g, "plan", ids, [0, 1], monkeypatch)
+    real = gather.block_views
+    monkeypatch.setattr(gather, "block_views", lambda g, layers, unit: real(
+        KVGeometry(g.num_layers, g.num_blocks, g.block_size, g.num_heads, g.head_dim,
+                   g.dtype, g.mla, "NHD"), layers, unit))
+    got, _, _ = run_store(g, "gather", ids, [0, 1], monkeypatch)
+    assert got != want
+
+
+def test_repeated_block_ids_keep_the_ordered_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A RETRIEVE naming a block twice (padded tables' null block 0): the plan's ordered
+    copies (last write wins), not a scatter whose order is undefined."""
+    g = GEOMETRIES["nhd"]
+    per = CHUNK // g.block_size
+    ids = np.array([0] * per + list(range(1, per + 1)), np.int64)
+    want, _, _ = run_retrieve(g, "plan", ids, 0, monkeypatch)
+    got, drv, _ = run_retrieve(g, "gather", ids, 0, monkeypatch)
+    assert got == want
+    assert len([c for c in drv.calls if c[0] == "memcpy2d"]) > 2  # the plan's copies
+
+
+def test_the_staging_buffer_is_freed_with_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = GEOMETRIES["nhd"]
+    _, drv, cache = run_store(g, "gather", block_ids(g, 1, seed=6), [0], monkeypatch)
+    copier = cache.gather_copier()
+    assert copier is not None
+    staged = [c[1] for c in drv.calls if c[0] == "malloc"]
+    assert staged == [copier.staging_bytes]
+    cache.close()
+    assert len(drv.freed) == 1 and drv.allocs[drv.freed[0]][0] == staged[0]
+    assert drv.freed[0] not in cache.layer_ptrs
+
+
+def test_the_unit_is_the_widest_that_divides_rows_strides_and_addresses() -> None:
+    g = GEOMETRIES["hnd"]                      # rows of 32 bytes
+    assert gather._unit(g, [0x1000, 0x2000]) == 8
+    assert gather._unit(g, [0x1000, 0x2004]) == 4   # a layer 4 bytes off alignment
+    assert gather._unit(GEOMETRIES["nhd-odd-row"], [0x1000]) == 4
+    assert gather._unit(GEOMETRIES["fp8-hnd"], [0x1000]) == 1
+    assert gather._unit(GEOMETRIES["padded-stride"], [0x1000]) == 8  # 24 el. = 48 bytes
+
+
+def test_plan_env_and_missing_torch_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LMCACHE_MP_GPU_COPY", "plan")
+    assert gather.gather_unavailable(FakeDriver()) == "LMCACHE_MP_GPU_COPY=plan"
+    monkeypatch.delenv("LMCACHE_MP_GPU_COPY")
+    assert gather.gather_unavailable(FakeDriver()) is None
+    assert "torch_bytes" in str(gather.gather_unavailable(object()))
