@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (see ../shared/reference/gpu-device-notes.md):
-# install the carried wheels, then for each LMCache release (0.5.3 and 0.5.6) start its
-# real MP server in GPU mode, run the GPU round trip (scripts/gpu_check.py: our wrapper
-# forms vs LMCache's own client) and the doctor, stop it; then the VMM export check
+# install the carried wheels, then for each LMCache release (0.5.3, 0.5.6, 0.5.7rc2)
+# start its real MP server in GPU mode, run the GPU round trip (scripts/gpu_check.py:
+# our wrapper forms, engine-driven copies on every layout with the pinned-copy floor
+# measured beside them, vs LMCache's own client), the restart step (SIGKILL, restart,
+# both transfer modes recover) and the doctor, stop it; then the VMM export check
 # (scripts/gpu_vmm_check.py) and the CUDA tests. One short table at the end.
 #
 # Here, first:  scripts/fetch_gpu_wheels.sh         (fills the git-ignored .whl/)
@@ -15,22 +17,26 @@
 # * gives every step a time limit inside one budget (GPU_CHECK_BUDGET, default 540 s,
 #   under the device's 600 s per call), skipping what no longer fits;
 # * stops every server it started, whatever happened;
+# * knows a server is ready by asking it (gpu_check.py --wait-ready), not by its log;
+# * sizes each server's L1 for what the run stores (gpu_check.py --l1-gib);
 # * keeps $OUT to at most 8 files (what the device tool brings back): summary.txt,
-#   summary.json, run.log (every step's output), server-<release>.log and
-#   results-<release>.json (written by gpu_check.py after every side).
+#   summary.json, run.log (every step's output), servers.log (every server's output,
+#   one after another) and results-<release>.json (written by gpu_check.py after every
+#   side, and by its restart step).
 #
 # Environment (all optional):
 #   OUT                   where results go (default /tmp/gpu_check_out)
 #   GPU_CHECK_PYTHON      interpreter (default: /opt/torch/.venv/bin/python3, else python3)
-#   GPU_CHECK_PYTHON_0_5_3, GPU_CHECK_PYTHON_0_5_6  interpreter for one release's server
+#   GPU_CHECK_PYTHON_0_5_3, ...  interpreter for one release's server
 #                         and round trip (dry runs: the oracle venvs)
 #   GPU_CHECK_TEST_PYTHON interpreter for the pytest step (default: GPU_CHECK_PYTHON)
-#   GPU_CHECK_RELEASES    default "0.5.3 0.5.6"
+#   GPU_CHECK_RELEASES    default "0.5.3 0.5.6 0.5.7rc2"
 #   GPU_CHECK_BUDGET      seconds for the whole run (default 540); GPU_CHECK_RESERVE (20)
 #                         of them are kept for stopping servers and the summary
 #   GPU_CHECK_PORT        first server port (default 5555; one port per release)
 #   GPU_CHECK_REQUEST_TIMEOUT  per request, seconds (default 20)
 #   GPU_CHECK_SIDE_TIMEOUT     a round-trip side running longer is abandoned (default 60)
+#   GPU_CHECK_SIDES       the round trip's sides (gpu_check.py --sides; default: all)
 #   GPU_CHECK_SKIP_INSTALL=1   use the interpreters' own packages (no .whl/ install)
 #   GPU_CHECK_SKIP_PYTEST=1    no pytest step
 #   GPU_CHECK_DRY_RUN=1   a machine without a GPU: accept CPU-mode servers and run
@@ -51,7 +57,7 @@ budget=${GPU_CHECK_BUDGET:-540}
 reserve=${GPU_CHECK_RESERVE:-20}
 base_port=${GPU_CHECK_PORT:-5555}
 dry=${GPU_CHECK_DRY_RUN:-0}
-read -r -a releases <<<"${GPU_CHECK_RELEASES:-0.5.3 0.5.6}"
+read -r -a releases <<<"${GPU_CHECK_RELEASES:-0.5.3 0.5.6 0.5.7rc2}"
 req_timeout=${GPU_CHECK_REQUEST_TIMEOUT:-20}
 side_timeout=${GPU_CHECK_SIDE_TIMEOUT:-60}
 fault=${GPU_CHECK_FAULT:-}
@@ -179,6 +185,8 @@ rc_detail() {  # why a step's command failed
 stop_server() {  # rel
   local rel=$1 pid=${server_pid[$1]:-} i
   [ -n "$pid" ] || return 0
+  # The restart step starts the server again and writes its new pid there.
+  [ -s "$work/server-$rel.pid" ] && pid=$(cat "$work/server-$rel.pid")
   if kill -0 "$pid" 2>/dev/null; then
     kill -TERM "$pid" 2>/dev/null
     for i in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
@@ -275,10 +283,16 @@ else
   for rel in "${releases[@]}"; do
     rel_path[$rel]=$site/$rel:$site/common
     t0=$SECONDS
-    if ! ls .whl/"$rel"/lmcache-"$rel"-*.whl >/dev/null 2>&1; then
-      record "wheels $rel" FAIL ".whl/$rel has no lmcache $rel wheel: run scripts/fetch_gpu_wheels.sh"
-    elif install_wheels "$site/$rel" .whl/"$rel"/*.whl >>"$OUT/run.log" 2>&1; then
-      record "wheels $rel" ok "lmcache $rel into $site/$rel" $((SECONDS - t0))
+    bundle=.whl/$rel/lmcache-$rel-slim.tar.xz
+    extras=(.whl/"$rel"/*.whl)
+    [ -e "${extras[0]}" ] || extras=()
+    if [ ! -s "$bundle" ]; then
+      record "wheels $rel" FAIL "no $bundle: run scripts/fetch_gpu_wheels.sh"
+    elif "$py" -c 'import sys, tarfile
+with tarfile.open(sys.argv[2]) as t:
+    t.extractall(sys.argv[1], filter="data")' "$site/$rel" "$bundle" >>"$OUT/run.log" 2>&1 \
+        && { ((${#extras[@]} == 0)) || install_wheels "$site/$rel" "${extras[@]}" >>"$OUT/run.log" 2>&1; }; then
+      record "wheels $rel" ok "lmcache $rel (slim bundle) and ${#extras[@]} wheels of its own into $site/$rel" $((SECONDS - t0))
     else
       record "wheels $rel" FAIL "installing lmcache $rel failed (see run.log)" $((SECONDS - t0))
     fi
@@ -297,6 +311,10 @@ else
 fi
 
 # ----------------------------------------------------------- per release
+# The round trip's geometry (also what --l1-gib sizes the L1 for). The dry run: small.
+rt_flags=()
+[ "$dry" = 1 ] && rt_flags=(--cpu-dry-run --layers 2 --heads 2 --head-dim 64 --reps 2 --small-reps 2)
+[ -n "${GPU_CHECK_SIDES:-}" ] && rt_flags+=(--sides "$GPU_CHECK_SIDES")
 port=$base_port
 for rel in "${releases[@]}"; do
   var=GPU_CHECK_PYTHON_${rel//./_}
@@ -310,7 +328,7 @@ for rel in "${releases[@]}"; do
     record "server $rel" skip "no time left"
     continue
   fi
-  slog=$OUT/server-$rel.log
+  slog=$OUT/servers.log
   # Both transfer modes, and an L1 pool in shared memory for the engine-driven side (a
   # GPU host allocates L1 lazily unless told not to, and then offers no pool).
   # 0.5.3 names its pool lmcache_l1_pool_<pid> by default; 0.5.4+ need a name.
@@ -319,38 +337,53 @@ for rel in "${releases[@]}"; do
     server_shm[$rel]=lmcache_l1_pool_gpucheck$port
     shm_args=(--shm-name "${server_shm[$rel]}")
   fi
-  args=(--host 127.0.0.1 --port "$port" --l1-size-gb 1 --eviction-policy LRU --disable-observability
+  # The L1 holds every key this release's round trips store (gpu_check.py --l1-gib says
+  # how much: sides x sizes x reps x bytes per token, + 25% + 1 GiB), at most what
+  # /dev/shm has free less 2 GiB. 1 GiB made 5 of 7 sides fail on 2026-12-04.
+  l1=$(PYTHONPATH=$path "$rpy" scripts/gpu_check.py --url x --l1-gib "${rt_flags[@]}" 2>>"$OUT/run.log" || echo 8)
+  shm_free=$(( $(df -Pk /dev/shm | awk 'NR == 2 {print $4}') / 1048576 - 2 ))
+  ((shm_free < l1)) && l1=$((shm_free > 1 ? shm_free : 1))
+  args=(--host 127.0.0.1 --port "$port" --l1-size-gb "$l1" --eviction-policy LRU --disable-observability
         --supported-transfer-mode auto "${shm_args[@]}" --no-l1-use-lazy)
   [[ ",$fault," == *",server-start:$rel,"* ]] && args+=(--gpu-check-provoked-bad-flag)
+  # One script starts it, the first time and after the restart step's SIGKILL. INFO
+  # logging for this server whatever the operator's LMCACHE_LOG_LEVEL: its GPU mode is
+  # read from its log (readiness is asked, see wait_ready).
+  start_script=$work/start-$rel.sh
+  {
+    printf 'echo "===== server %s started $(date -u +%%T) (pid $$)" >>%q\n' "$rel" "$slog"
+    printf 'exec env PYTHONPATH=%q LMCACHE_DISABLE_BANNER=1 LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 LMCACHE_LOG_LEVEL=INFO OMP_NUM_THREADS=4 %q -m lmcache.v1.multiprocess.server' "$path" "$rpy"
+    printf ' %q' "${args[@]}"
+    printf ' >>%q 2>&1 </dev/null\n' "$slog"
+  } >"$start_script"
+  touch "$slog"
+  log_from=$(($(stat -c %s "$slog") + 1))
   t0=$SECONDS
-  PYTHONPATH=$path LMCACHE_DISABLE_BANNER=1 LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 \
-    OMP_NUM_THREADS=4 "$rpy" -m lmcache.v1.multiprocess.server "${args[@]}" >"$slog" 2>&1 </dev/null &
+  bash "$start_script" &
   server_pid[$rel]=$!
   echo "${server_pid[$rel]}" >"$work/server-$rel.pid"
   current="server $rel"
-  ready=0
-  while ((SECONDS - t0 < t)); do
-    if grep -qi "cache server is running on" "$slog"; then ready=1; break; fi
-    kill -0 "${server_pid[$rel]}" 2>/dev/null || break
-    sleep 0.5
-  done
+  write_summary
+  PYTHONPATH=$path "$rpy" scripts/gpu_check.py --url "tcp://127.0.0.1:$port" \
+    --wait-ready "$t" --pid "${server_pid[$rel]}" >>"$OUT/run.log" 2>&1
+  wrc=$?
   current=""
-  if ((!ready)); then
+  if ((wrc != 0)); then
     why="not ready after $((SECONDS - t0)) s"
-    kill -0 "${server_pid[$rel]}" 2>/dev/null || why="exited during start"
-    record "server $rel" FAIL "$why: $(grep -v '^\s*$' "$slog" | tail -1 | cut -c1-160)" $((SECONDS - t0))
+    ((wrc == 3)) && why="exited during start"
+    record "server $rel" FAIL "$why (l1 $l1 GiB): $(tail -c +"$log_from" "$slog" | grep -v '^\s*$' | tail -1 | cut -c1-160)" $((SECONDS - t0))
     stop_server "$rel"
   else
-    record "server $rel" ok "ready after $((SECONDS - t0)) s (pid ${server_pid[$rel]}, port $port)" $((SECONDS - t0))
+    record "server $rel" ok "ready after $((SECONDS - t0)) s (pid ${server_pid[$rel]}, port $port, l1 $l1 GiB)" $((SECONDS - t0))
     gpu=0
-    if grep -q "torch_device_type=cuda" "$slog"; then
+    if tail -c +"$log_from" "$slog" | grep -q "torch_device_type=cuda"; then
       gpu=1
       record "mode $rel" ok "GPU (torch_device_type=cuda)"
     elif [ "$dry" = 1 ]; then
       record "mode $rel" ok "CPU (dry run)"
     else
       # A failed import of lmcache's cuda platform is swallowed: the server runs on CPU.
-      record "mode $rel" FAIL "CPU mode (no torch_device_type=cuda in server-$rel.log)"
+      record "mode $rel" FAIL "CPU mode (no torch_device_type=cuda in servers.log)"
     fi
 
     # -- round trip
@@ -361,13 +394,11 @@ for rel in "${releases[@]}"; do
     elif ((t < 20)); then
       record "round trip $rel" skip "no time left"
     else
-      flags=()
-      [ "$dry" = 1 ] && flags=(--cpu-dry-run --layers 2 --heads 2 --head-dim 64 --reps 2)
       t0=$SECONDS
       run_step "round trip $rel" "$t" env PYTHONPATH="$path" GPU_CHECK_FAULT="$fault" \
         "$rpy" scripts/gpu_check.py --url "tcp://127.0.0.1:$port" --release "$rel" \
         --out "$OUT/results-$rel.json" --request-timeout "$req_timeout" \
-        --side-timeout "$side_timeout" --deadline $(($(date +%s) + t - 10)) "${flags[@]}"
+        --side-timeout "$side_timeout" --deadline $(($(date +%s) + t - 10)) "${rt_flags[@]}"
       rc=$?
       sides=$(grep '^gpu_check: ' "$work/step.log" | sed 's/^gpu_check: //' | cut -c1-70 | paste -sd ';' -)
       case $rc in
@@ -376,6 +407,30 @@ for rel in "${releases[@]}"; do
         *) record "round trip $rel" FAIL "$(rc_detail "$rc" "$t"): $sides" $((SECONDS - t0)) ;;
       esac
       kill -0 "${server_pid[$rel]}" 2>/dev/null || record "server $rel" FAIL "died during the round trip"
+    fi
+
+    # -- restart: a registration of each mode round-trips, the server is SIGKILLed and
+    # started again by the same script, both round-trip again (bits compared) through
+    # the same Registration objects, which re-register themselves.
+    t=$(left 60)
+    if ((gpu == 0)) && [ "$dry" != 1 ]; then
+      record "restart $rel" skip "the server is not in GPU mode"
+    elif ((t < 30)); then
+      record "restart $rel" skip "no time left"
+    elif ! kill -0 "${server_pid[$rel]}" 2>/dev/null; then
+      record "restart $rel" skip "the server is not running"
+    else
+      t0=$SECONDS
+      run_step "restart $rel" "$t" env PYTHONPATH="$path" "$rpy" scripts/gpu_check.py \
+        --url "tcp://127.0.0.1:$port" --release "$rel" --out "$OUT/results-$rel.json" \
+        --request-timeout "$req_timeout" --restart-check --server-pid-file "$work/server-$rel.pid" \
+        --server-start-script "$start_script" "${rt_flags[@]}"
+      rc=$?
+      server_pid[$rel]=$(cat "$work/server-$rel.pid")
+      line=$(grep '^gpu_check restart: ' "$work/step.log" | tail -1 | sed 's/^gpu_check restart: //' | cut -c1-200)
+      ready=$(grep -o 'restarted server ready after [0-9]* s (pid [0-9]*)' "$work/step.log" | head -1)
+      if ((rc == 0)); then record "restart $rel" ok "$line; $ready" $((SECONDS - t0))
+      else record "restart $rel" FAIL "$(rc_detail "$rc" "$t"): $line; $ready" $((SECONDS - t0)); fi
     fi
   fi
 
@@ -397,11 +452,11 @@ for rel in "${releases[@]}"; do
   # -- stop
   if [ -n "${server_pid[$rel]:-}" ]; then
     stop_server "$rel"
-    errors=$(grep -c "LMCache ERROR" "$slog")
+    errors=$(tail -c +"$log_from" "$slog" | grep -c "LMCache ERROR")
     # lmcache_mp's family detection sends one op id the release lacks (by design).
     # 0.5.6+: id 11 (retired) and the FREE_LOOKUP_LOCKS key form of the other release.
-    probes=$(grep -c "No handler registered for request type\|Available handlers:\|Invalid ZMQ operation identifier\|Error handling operation free_lookup_locks" "$slog")
-    record "stop $rel" ok "$errors ERROR lines in server-$rel.log ($probes from lmcache_mp's protocol-detection probe)"
+    probes=$(tail -c +"$log_from" "$slog" | grep -c "No handler registered for request type\|Available handlers:\|Invalid ZMQ operation identifier\|Error handling operation free_lookup_locks")
+    record "stop $rel" ok "$errors ERROR lines in servers.log for $rel ($probes from lmcache_mp's protocol-detection probe)"
   fi
   port=$((port + 1))
 done
@@ -443,7 +498,7 @@ else
     run_step pytest "$t" env PYTHONPATH="$site/common:$repo" LMCACHE_MP_SKIP_LIVE=1 \
       "$test_py" -m pytest -q -rs -p no:cacheprovider tests/ipc/test_gpu_live.py \
       tests/ipc/test_cuda_events.py tests/ipc/test_cuda_exporter.py tests/ipc/test_cuda_vmm.py \
-      tests/protocol/test_codec_fixtures.py tests/ipc/test_cuda_engine_driven.py \
+      tests/ipc/test_cuda_engine_driven.py tests/ipc/test_cuda_gather.py \
       tests/cli/test_doctor_box.py
     rc=$?
     line=$(grep -E "passed|failed|error" "$work/step.log" | tail -1)

@@ -209,7 +209,7 @@ def test_failed_server_and_hung_side_do_not_stop_the_plan(launch: Any) -> None:
     sides = {r["side"]: r for r in res["results"]}
     assert sides["ours (torch_ipc)"]["ok"] and sides["ours (raw)"]["ok"]
     assert sides["LMCache"]["hung"] and "hung at step 'register'" in sides["LMCache"]["error"]
-    assert "| round trip ok          | yes              | yes        | HUNG    |" in run.text
+    assert re.search(r"\| round trip ok +\| yes +\| yes +\| HUNG +\|", run.text), run.text
     assert "result: FAILED" in run.text
     assert run.text in run.stdout  # printed at the end too, for the device's output tail
 
@@ -241,7 +241,7 @@ def test_sigterm_mid_step_writes_the_summary_and_stops_everything(launch: Any) -
     cut = res["results"][1]
     assert cut["interrupted"] and "cut short by signal 15 at step 'register'" in cut["error"]
     assert "INTERRUPTED by SIGTERM" in run.text
-    assert "| round trip ok          | yes              | CUT        |" in run.text
+    assert re.search(r"\| round trip ok +\| yes +\| CUT +\|", run.text), run.text
 
 
 def test_sigkill_leaves_the_last_written_summary(launch: Any) -> None:
@@ -267,6 +267,32 @@ def test_sigkill_leaves_the_last_written_summary(launch: Any) -> None:
     for name in os.listdir("/dev/shm"):
         if name.startswith((f"lmcache_kv_{round_trip}_", f"lmcache_mp_{round_trip}_")):
             os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.timeout(400)
+def test_quiet_server_logs_restart_and_l1_sizing(launch: Any) -> None:
+    """An operator's LMCACHE_LOG_LEVEL=WARNING (no 'running on' line in the server's
+    log: readiness was read from it and 3 of 5 rehearsals failed after 264 s): the
+    server is known ready by asking it. The restart step SIGKILLs and restarts it,
+    and a registration of each mode round-trips before and after, bits compared; the
+    restarted server is stopped at the end too. The L1 is sized from the plan."""
+    run = launch(releases=("0.5.6",), LMCACHE_LOG_LEVEL="WARNING",
+                 GPU_CHECK_SIDES="torch_ipc,engine")
+    assert run.wait() == 0, run.stdout
+    _assert_written_and_clean(run)
+    assert run.step("server 0.5.6")["status"] == "ok"
+    assert re.search(r"l1 \d+ GiB", run.step("server 0.5.6")["detail"])
+    restart = run.step("restart 0.5.6")
+    assert restart["status"] == "ok", restart
+    assert re.search(r"before lmcache yes \(\d+ tries\) engine yes \(\d+ tries\); "
+                     r"after lmcache yes \(\d+ tries\) engine yes", restart["detail"]), restart
+    res = run.results("0.5.6")
+    assert [r["side"] for r in res["results"]] == ["ours (torch_ipc)", "ours (engine-driven)"]
+    again = res["restart"]
+    assert again["ok"] and again["same_instance_ids"] and again["new_pid"] in run.server_pids()
+    assert len(set(run.server_pids())) == 2  # the first server and the restarted one, both gone
+    servers_log = (run.out / "servers.log").read_text()
+    assert servers_log.count("===== server 0.5.6 started") == 2
 
 
 def test_a_budget_too_small_still_writes_a_table(launch: Any) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from lmcache_mp.ipc.base import KVGeometry
-from lmcache_mp.ipc.cuda import CudaKVCache, gather, staging
+from lmcache_mp.ipc.cuda import CudaError, CudaKVCache, gather, staging
 from lmcache_mp.protocol.types import PoolSlot
 from lmcache_mp.session.engine_driven import Pool, copy_from_slots, copy_into_slots
 
@@ -268,3 +268,29 @@ def test_plan_env_and_missing_torch_say_why(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("LMCACHE_MP_GPU_COPY")
     assert gather.gather_unavailable(FakeDriver()) is None
     assert "torch_bytes" in str(gather.gather_unavailable(object()))
+
+
+def test_no_memory_for_staging_falls_back_to_the_plan(monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    """An engine at its memory limit (vLLM's gpu_memory_utilization): cudaMalloc of the
+    staging buffer fails before anything is queued, and the transfer still moves every
+    byte, by the copy plan, saying why once."""
+    g = GEOMETRIES["hnd"]
+    ids = block_ids(g, 2, seed=7)
+    want, _, _ = run_store(g, "plan", ids, [1, 0], monkeypatch)
+    monkeypatch.setattr(staging, "_staging_warned", [])
+
+    def no_memory(self: FakeDriver, nbytes: int) -> int:
+        raise CudaError("cudaMalloc failed: cudaErrorMemoryAllocation (2)", call="cudaMalloc",
+                        code=2)
+
+    monkeypatch.setattr(FakeDriver, "malloc", no_memory)
+    with caplog.at_level("WARNING", logger="lmcache_mp"):
+        got, drv, cache = run_store(g, "gather", ids, [1, 0], monkeypatch)
+        back_want, _, _ = run_retrieve(g, "plan", ids, 8, monkeypatch)
+        back_got, _, _ = run_retrieve(g, "gather", ids, 8, monkeypatch)
+    assert got == want and back_got == back_want
+    assert sum(c[0].startswith("memcpy") for c in drv.calls) > 2  # the plan's copies
+    assert caplog.text.count("fall back to the copy plan") == 1
+    assert "LMCACHE_MP_STAGING_MB" in caplog.text

@@ -43,10 +43,14 @@ import numpy as np
 
 from ...errors import InvalidArgument
 from ..base import KVGeometry
-from .driver import CudaDriver
+from .driver import CudaDriver, CudaError
 
-__all__ = ["GatherDriver", "GatherCopier", "STAGING_LIMIT_BYTES", "gather_unavailable",
-           "block_views"]
+__all__ = ["GatherDriver", "GatherCopier", "STAGING_LIMIT_BYTES", "StagingUnavailable",
+           "gather_unavailable", "block_views"]
+
+
+class StagingUnavailable(CudaError):
+    """The staging buffer could not be allocated; nothing of the transfer was queued."""
 
 
 def _staging_limit() -> int:
@@ -159,11 +163,21 @@ class GatherCopier:
 
     # ------------------------------------------------------------ staging
     def _ensure_staging(self, nbytes: int) -> Any:
+        """The staging buffer, grown to ``nbytes`` if smaller. Raises
+        :class:`StagingUnavailable` (nothing queued yet) when the device has no memory
+        left for it: an engine running at its memory limit still moves its blocks, by
+        the copy plan."""
         if nbytes > self._staging_bytes:
             self._free_staging()
-            self._staging_ptr = self._drv.malloc(nbytes)
-            self._staging_bytes = nbytes
-            self._staging = self._drv.torch_bytes(self._staging_ptr, nbytes, self._device)
+            try:
+                ptr = self._drv.malloc(nbytes)
+            except CudaError as exc:
+                raise StagingUnavailable(
+                    f"cannot allocate a {nbytes}-byte staging buffer on device "
+                    f"{self._device} ({exc}); set LMCACHE_MP_STAGING_MB lower, or leave "
+                    f"the engine more free memory", call="cudaMalloc") from exc
+            self._staging_ptr, self._staging_bytes = ptr, nbytes
+            self._staging = self._drv.torch_bytes(ptr, nbytes, self._device)
         return self._staging
 
     def _free_staging(self) -> None:

@@ -13,6 +13,11 @@ and COMMIT_*, after every slot was checked):
   and from it are DMA; a pool that cannot be pinned (``RLIMIT_MEMLOCK``) is copied
   pageable, slower but correct. The pinning is undone before the pool is unmapped.
   Like the rest of the memory layer this never imports :mod:`lmcache_mp.protocol`.
+* how the blocks move: by default the gather path (:mod:`.gather`: one gather or
+  scatter per (plane, layer) on the GPU through a staging buffer, one DMA per chunk
+  object) when torch can view the cache's memory; else, and for a RETRIEVE naming a
+  block twice or when the staging buffer cannot be allocated, the copy plan below.
+  ``LMCACHE_MP_GPU_COPY=plan`` forces the plan (to compare; tests).
 * the copy plan (:func:`store_plan` / :func:`retrieve_plan`): a chunk object is
   token-major (``[2, layers, tokens, heads * head_dim]``) and an HND block head-major,
   so one ``cudaMemcpy3DAsync`` per (K/V, layer, head, run of consecutive block ids), or
@@ -45,6 +50,7 @@ from ..paged_copy import block_runs
 from .cache import CudaKVCache
 from .driver import CudaDriver, CudaError
 from .export import on_device
+from .gather import StagingUnavailable
 
 __all__ = ["CopyDriver", "CopyPlan", "store_plan", "retrieve_plan", "run_plan",
            "device_copy_into_slots", "device_copy_from_slots", "pinned_pools", "unpin"]
@@ -286,6 +292,20 @@ def pinned_pools() -> dict[int, int | None]:
 
 
 # ------------------------------------------------- the engine-driven seam
+class _UsePlan(Exception):
+    """This transfer goes by the copy plan (no gather path, or repeated block ids)."""
+
+
+_staging_warned: list[str] = []
+
+
+def _warn_staging(exc: Exception) -> None:
+    if isinstance(exc, StagingUnavailable) and not _staging_warned:
+        _staging_warned.append(str(exc))
+        log.warning("lmcache_mp: engine-driven GPU copies fall back to the copy plan "
+                    "(slower): %s", exc)
+
+
 def _cache_parts(cache: ExportableKVCache, stream: Any) -> tuple[CudaKVCache, CopyDriver, int]:
     if not isinstance(cache, CudaKVCache):
         raise InvalidArgument(f"engine-driven CUDA copies need a CudaKVCache, got "
@@ -306,9 +326,12 @@ def device_copy_into_slots(cache: ExportableKVCache, ids: np.ndarray, targets: S
     copier = cuda.gather_copier()
     with on_device(drv, cuda.device):
         _ensure_pinned(drv, cuda.device, pool_view)
-        if copier is not None:
+        try:
+            if copier is None:
+                raise _UsePlan
             copier.store(ids, addrs, chunk_indices, chunk_tokens, handle)
-        else:
+        except (_UsePlan, StagingUnavailable) as exc:
+            _warn_staging(exc)
             run_plan(drv, store_plan(cuda.geometry, cuda.layer_ptrs, ids, addrs,
                                      chunk_indices, chunk_tokens), handle)
         drv.stream_synchronize(handle)
@@ -324,9 +347,12 @@ def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: S
     copier = cuda.gather_copier()
     with on_device(drv, cuda.device):
         _ensure_pinned(drv, cuda.device, pool_view)
-        if copier is not None and copier.can_scatter(ids[skip_blocks:]):
+        try:
+            if copier is None or not copier.can_scatter(ids[skip_blocks:]):
+                raise _UsePlan
             copier.retrieve(ids, addrs, chunk_tokens, skip_blocks, handle)
-        else:
+        except (_UsePlan, StagingUnavailable) as exc:
+            _warn_staging(exc)
             run_plan(drv, retrieve_plan(cuda.geometry, cuda.layer_ptrs, ids, addrs,
                                         chunk_tokens, skip_blocks), handle)
         drv.stream_synchronize(handle)
