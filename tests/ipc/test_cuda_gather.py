@@ -294,3 +294,68 @@ def test_no_memory_for_staging_falls_back_to_the_plan(monkeypatch: pytest.Monkey
     assert sum(c[0].startswith("memcpy") for c in drv.calls) > 2  # the plan's copies
     assert caplog.text.count("fall back to the copy plan") == 1
     assert "LMCACHE_MP_STAGING_MB" in caplog.text
+
+
+# ------------------------------------------------------------------ GPU
+def _real_driver() -> Any:
+    """cuda-python's driver and torch with CUDA, or skip saying why."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the gather path runs on CUDA tensors in "
+                    "scripts/gpu_check.sh's pytest step on a lent GPU")
+    from lmcache_mp.ipc.cuda import CudaBindingsDriver
+
+    return CudaBindingsDriver()
+
+
+@pytest.mark.parametrize("name", GEOMETRIES)
+def test_real_gpu_gather_equals_the_plan(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, every layout: STORE by the gather path and by the copy plan into a
+    page-locked pool, byte for byte; then RETRIEVE (a block skipped) both ways into
+    caches holding the same bytes, every byte of every layer compared."""
+    import mmap
+
+    drv = _real_driver()
+    g = GEOMETRIES[name]
+    ids = block_ids(g, 2, seed=9)
+    obj = int(np.prod(object_shape(g))) * g.itemsize
+    rng = np.random.default_rng(10)
+    content = [rng.integers(0, 256, g.layer_nbytes, dtype=np.uint8)
+               for _ in range(g.num_layers)]
+    pool_bytes = rng.integers(0, 256, 3 * obj, dtype=np.uint8)
+    results = {}
+    for path in ("plan", "gather"):
+        monkeypatch.setenv("LMCACHE_MP_GPU_COPY", path)
+        forget_pins()
+        ptrs = [drv.malloc(g.layer_nbytes) for _ in range(g.num_layers)]
+        mapping = mmap.mmap(-1, 3 * obj)
+        buf = np.frombuffer(mapping, dtype=np.uint8)
+        try:
+            for p, c in zip(ptrs, content, strict=True):
+                drv.memcpy(p, c.ctypes.data, g.layer_nbytes)
+            cache = CudaKVCache.from_pointers(
+                ptrs, num_blocks=g.num_blocks, block_size=g.block_size,
+                num_heads=g.num_heads, head_dim=g.head_dim, dtype=g.dtype, mla=g.mla,
+                layout=g.layout, fused=g.fused, block_stride=g.block_stride, driver=drv)
+            pool = Pool("gpu-gather", len(buf), 0, buf)
+            slots = [PoolSlot(offset=(1 - i) * obj, length=obj, shape=object_shape(g),
+                              dtype=g.dtype) for i in range(2)]
+            copy_into_slots(cache, ids, slots, [1, 0], pool, CHUNK)
+            stored = buf.tobytes()
+            buf[:] = pool_bytes
+            copy_from_slots(cache, ids[::-1].copy(), slots, pool, CHUNK, g.block_size)
+            layers = []
+            for p in ptrs:
+                got = np.zeros(g.layer_nbytes, np.uint8)
+                drv.memcpy(got.ctypes.data, p, g.layer_nbytes)
+                layers.append(got.tobytes())
+            assert (cache.copy_path == "gather") == (path == "gather"), cache.copy_path
+            results[path] = (stored, layers)
+            cache.close()
+        finally:
+            staging.unpin(buf)
+            del buf
+            for p in ptrs:
+                drv.free(p)
+    assert results["gather"][0] == results["plan"][0]
+    assert results["gather"][1] == results["plan"][1]

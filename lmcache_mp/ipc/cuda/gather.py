@@ -221,9 +221,16 @@ class GatherCopier:
             self._drv.stream_synchronize(stream)
 
     def _index(self, ids: np.ndarray) -> Any:
-        t = self._torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
-        # From pageable memory: the source is consumed before the call returns.
-        return t.to(self._views[0][0].device, non_blocking=True) if self.is_cuda else t
+        """The block ids as an index tensor on the device, queued on the stream."""
+        arr = np.ascontiguousarray(ids, dtype=np.int64)
+        if not self.is_cuda:
+            return self._torch.from_numpy(arr)
+        # Through pinned memory (torch's host allocator keeps the block until the copy
+        # is done): an async copy from pageable memory first waits for everything
+        # queued on the stream, the engine's work included.
+        host = self._torch.empty(len(arr), dtype=self._torch.int64, pin_memory=True)
+        host.numpy()[:] = arr
+        return host.to(self._views[0][0].device, non_blocking=True)
 
     def store(self, ids: np.ndarray, slot_addrs: Sequence[int],
               chunk_indices: Sequence[int], chunk_tokens: int, stream: int) -> None:
