@@ -26,7 +26,7 @@ import platform
 import sys
 import threading
 
-__all__ = ["request_amx_tiles", "AMX_STATES"]
+__all__ = ["request_amx_tiles", "amx_state", "AMX_STATES"]
 
 log = logging.getLogger("lmcache_mp")
 
@@ -84,3 +84,8 @@ def request_amx_tiles() -> str:
             log.info("lmcache_mp connector: AMX tile permission for vLLM's CPU attention "
                      "in process %d: %s (%s)", os.getpid(), state, detail)
         return _answer
+
+
+def amx_state() -> str | None:
+    """What :func:`request_amx_tiles` answered in this process (None: not asked)."""
+    return _answer

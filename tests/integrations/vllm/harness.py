@@ -19,6 +19,16 @@ When a request is first scheduled with ``c`` tokens already computed (vLLM's own
 prefix cache, or a connector load), positions ``[0, c)`` of its blocks are checked
 against the pattern on every rank: a load that wrote wrong bytes fails the run.
 
+vLLM 0.34 (``.venv-vllm-0.34.0``): the worker hooks are driven by vLLM's V2
+``ActiveKVConnector`` (``v1/worker/gpu/kv_connector.py``: the V1 model runner and its
+mixin are gone), and the KV cache is what 0.34 allocates on CUDA by default when the
+connector's ``kv_cache_access`` allows it (vLLM's own ``_resolve_extensible_kv_cache``
+decides): the extensible cache, padded per layer, committed after warm-up, the
+connector created and the committed views registered in ``extend_kv_cache``, all
+vLLM's own code over host memory (``extensible.py``). ``sleep_wake`` phases release
+and recommit it between ``unregister_kv_caches`` and ``restore_kv_caches``, as
+``GPUWorker.sleep`` / ``wake_up`` do.
+
 Runs under any Python with vLLM importable: ``.venv-vllm`` (our connector), or an
 oracle venv with vLLM's tree on the path (LMCache's own connector), see ``cross.py``.
 Also a script: ``python harness.py SPEC.json`` prints a JSON result.
@@ -41,6 +51,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import torch  # noqa: E402
 
 NUM_LAYERS, KV_HEADS, HEADS, HEAD_DIM, VOCAB = 2, 2, 4, 16, 1000
+#: Blocks the extensible cache commits during "warm-up" (before its final size).
+WARMUP_BLOCKS = 8
 KV_LORA_RANK, QK_ROPE_DIM = 16, 8
 MLA_HEAD = KV_LORA_RANK + QK_ROPE_DIM
 OURS = ("LMCacheMPConnector", "lmcache_mp.integrations.vllm")
@@ -110,6 +122,58 @@ class RequestResult:
     prompt_len: int
     first_computed: int = -1      # tokens already computed when first scheduled
     verified: bool = True
+    #: Tokens already computed each time it was scheduled again after a preemption.
+    resumed: list[int] | None = None
+    aborted: bool = False  # aborted while waiting for its KV load (``Engine.run``)
+
+
+def v1_model_runner_mixin() -> Any:
+    """vLLM's V1 model runner's connector wiring (0.32, 0.33), or None (0.34: the V2
+    runner's ``ActiveKVConnector`` drives the worker hooks)."""
+    try:
+        from vllm.v1.worker.kv_connector_model_runner_mixin import (
+            KVConnectorModelRunnerMixin,
+        )
+    except ImportError:
+        return None
+    return KVConnectorModelRunnerMixin
+
+
+def runner_output(cls: Any, req_ids: list[str], **fields: Any) -> Any:
+    """vLLM's ``ModelRunnerOutput`` for ``req_ids`` (0.32 / 0.33 also want
+    ``req_id_to_index``, which 0.34 dropped)."""
+    import dataclasses
+
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(cls)}:
+        fields["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return cls(req_ids=req_ids, **fields)
+
+
+def extensible_by_vllm(config: Any) -> bool:
+    """Whether vLLM would allocate its extensible KV cache for ``config`` on a CUDA
+    device (0.34+; False before): its own ``_resolve_extensible_kv_cache``, on a copy
+    of the config whose platform says CUDA and whose block count is not fixed (the
+    harness fixes it). It asks the connector's ``kv_cache_access``."""
+    try:
+        import vllm.v1.worker.extensible_kv_cache  # noqa: F401
+    except ImportError:
+        return False
+    from vllm.platforms import current_platform
+
+    cfg = copy.copy(config)
+    cfg.cache_config = copy.copy(config.cache_config)
+    cfg.cache_config._extensible_kv_cache_resolved = False
+    cfg.cache_config.enable_extensible_kv_cache = None
+    cfg.cache_config.num_gpu_blocks_override = None
+    cfg.cache_config.kv_cache_memory_bytes = None
+    platform = type(current_platform)
+    real = platform.is_cuda_alike
+    platform.is_cuda_alike = lambda self: True  # type: ignore[method-assign]
+    try:
+        cfg._resolve_extensible_kv_cache()
+    finally:
+        platform.is_cuda_alike = real  # type: ignore[method-assign]
+    return bool(cfg.cache_config.enable_extensible_kv_cache)
 
 
 def kv_cache_configs(config: Any, specs: list[dict[str, Any]], memory: list[int]) -> Any:
@@ -164,7 +228,7 @@ class Engine:
     def __init__(self, connector: tuple[str, str], extra: dict[str, Any], *, tp: int = 1,
                  num_blocks: int = 96, block_size: int = 16, model: str | None = None,
                  prefix_caching: bool = True, mla: bool = False,
-                 backend: str = "CPU_ATTN") -> None:
+                 backend: str = "CPU_ATTN", extensible: bool | None = None) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -175,15 +239,12 @@ class Engine:
             VllmConfig,
             set_current_vllm_config,
         )
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
         from vllm.v1.core.kv_cache_utils import init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
         from vllm.v1.structured_output import StructuredOutputManager
-        from vllm.v1.worker.utils import allocate_kv_cache
 
         self.block_size, self.tp = block_size, tp
         self.mla, self.backend = mla, backend
@@ -204,6 +265,17 @@ class Engine:
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=kv_cfg,
         )
+        # vLLM 0.34 on CUDA: the extensible cache unless the connector's kv_cache_access
+        # rules it out (``extensible=None``: as vLLM decides).
+        self.extensible = (extensible_by_vllm(self.config) if extensible is None
+                           else extensible)
+        #: The extensible cache reserves a capacity (here twice the blocks) and
+        #: commits the final count, ``num_blocks``, after warm-up.
+        reserve = 2 if self.extensible else 1
+        if self.extensible:
+            self.config.cache_config.enable_extensible_kv_cache = True
+            self.config.cache_config.num_gpu_blocks_override = num_blocks * reserve
+        self.mixin = v1_model_runner_mixin()
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
         # A rank holds its share of the KV heads (MLA's one latent head is replicated).
         self.heads = 1 if mla else KV_HEADS // tp
@@ -220,12 +292,14 @@ class Engine:
             layout = resolve_kv_cache_layout(
                 self.config, [[x.name for x in declared]] if declared else
                 [["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]], list(specs.values()))
-            configs = kv_cache_configs(self.config, [specs] * tp,
-                                       [spec.page_size_bytes * num_blocks * NUM_LAYERS] * tp)
+            configs = kv_cache_configs(
+                self.config, [specs] * tp,
+                [spec.page_size_bytes * num_blocks * NUM_LAYERS * reserve] * tp)
         self.layout = layout.name
         for c in configs:
             c.kv_cache_layout = self.layout
-        self.kv_cache_config = configs[0]
+        self.kv_cache_config = copy.copy(configs[0])
+        self.kv_cache_config.num_blocks = configs[0].num_blocks // reserve
         self.num_blocks = self.kv_cache_config.num_blocks
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         init_none_hash(sha256)
@@ -236,57 +310,131 @@ class Engine:
                 structured_output_manager=StructuredOutputManager(self.config),
                 block_size=block_size, log_stats=False)
             self.workers: list[Any] = []
+            #: Per rank: vLLM's V2 ActiveKVConnector (0.34), None with the V1 mixin.
+            self.drivers: list[Any] = []
+            #: Per rank: the ExtensibleKVCache (0.34 extensible), else None.
+            self.caches: list[Any] = []
             self.kv: list[dict[str, torch.Tensor]] = []
             self.planes: list[dict[str, list[torch.Tensor]]] = []
             for rank in range(tp):
                 cfg = copy.deepcopy(self.config)
                 cfg.parallel_config.rank = rank
                 with set_current_vllm_config(cfg):
-                    w = KVConnectorFactory.create_connector(
-                        config=cfg, role=KVConnectorRole.WORKER,
-                        kv_cache_config=configs[rank])
-                caches = allocate_kv_cache(configs[rank], torch.device("cpu"), layout)
-                with set_current_vllm_config(cfg):
-                    w.register_kv_caches(caches)
+                    w, driver, cache, caches = self._rank(cfg, configs[rank], layout)
                 self.workers.append(w)
+                self.drivers.append(driver)
+                self.caches.append(cache)
                 self.kv.append(caches)
                 self.planes.append({n: backend_planes(backend, t, mla)
                                     for n, t in caches.items()})
         self.layer_names = layer_names
         self.results: dict[str, RequestResult] = {}
+        #: Every vLLM Request added (they leave the scheduler when finished).
+        self.finished_requests: list[Any] = []
         self.tokens: dict[str, list[int]] = {}
         self._aggregator: Any = None
         #: Called once, when a step first carries a RETRIEVE, before the workers run.
         self.on_retrieve: Any = None
 
+    def _rank(self, cfg: Any, kv_cache_config: Any, layout: Any
+              ) -> tuple[Any, Any, Any, dict[str, torch.Tensor]]:
+        """One worker rank as vLLM makes it: (its connector, the V2 driver or None, the
+        extensible cache or None, its per-layer KV views)."""
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        if self.extensible:
+            import extensible
+
+            padded, cache = extensible.allocate(kv_cache_config, layout, WARMUP_BLOCKS)
+            # Warm-up ran without a connector: it is created once the memory is final.
+            assert kv_transfer_state._KV_CONNECTOR_AGENT is None
+            runner = extensible.extend(cfg, padded, cache, self.num_blocks)
+            w = kv_transfer_state._KV_CONNECTOR_AGENT
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+            self.final_kv_cache_config = runner.kv_cache_config
+            return w, runner.kv_connector, cache, dict(runner.kv_caches_by_layer)
+        w = KVConnectorFactory.create_connector(config=cfg, role=KVConnectorRole.WORKER,
+                                                kv_cache_config=kv_cache_config)
+        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+        if self.mixin is not None:
+            w.register_kv_caches(caches)
+            return w, None, None, caches
+        from vllm.v1.worker.gpu.kv_connector import get_kv_connector
+
+        kv_transfer_state._KV_CONNECTOR_AGENT = w
+        try:  # vLLM's V2 wiring: it registers the caches
+            return w, get_kv_connector(cfg, caches), None, caches
+        finally:
+            kv_transfer_state._KV_CONNECTOR_AGENT = None
+
+    # ---------------------------------------------------------------- sleep mode
+    def sleep(self) -> None:
+        """``LLM.sleep(level=1)`` as 0.33 / 0.34 run it: the scheduler pauses and clears
+        vLLM's prefix cache; each worker unregisters the connector's caches, then the
+        KV cache's memory goes (the extensible cache's pages released; an ordinary
+        one, sleep mode's allocator: discarded, here zeroed)."""
+        assert self.scheduler.reset_prefix_cache()
+        for rank, w in enumerate(self.workers):
+            w.unregister_kv_caches()
+            if self.caches[rank] is not None:
+                self.caches[rank].release_physical()
+            else:
+                for t in self.kv[rank].values():
+                    t.zero_()
+
+    def wake(self) -> None:
+        """``LLM.wake_up()``: fresh memory behind the same views (the extensible cache
+        recommitted), then ``restore_kv_caches``."""
+        for rank, w in enumerate(self.workers):
+            if self.caches[rank] is not None:
+                self.caches[rank].recommit()
+            w.restore_kv_caches()
+
     # ------------------------------------------------------------------ requests
     def add(self, rid: str, prompt: list[int], *, max_tokens: int = 3,
-            cache_salt: str | None = None) -> None:
+            cache_salt: str | None = None, prompt_logprobs: int | None = None) -> None:
         from vllm import SamplingParams
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.v1.request import Request
 
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                prompt_logprobs=prompt_logprobs)
         req = Request(request_id=rid, prompt_token_ids=list(prompt),
-                      sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                      pooling_params=None, cache_salt=cache_salt,
+                      sampling_params=params, pooling_params=None, cache_salt=cache_salt,
                       block_hasher=get_request_block_hasher(self.block_size, self.hasher_fn))
         self.scheduler.add_request(req)
+        self.finished_requests.append(req)
         self.results[rid] = RequestResult(len(prompt))
         self.tokens[rid] = list(prompt)
 
-    def run(self, deadline_s: float = 120.0, on_step: Any = None) -> dict[str, RequestResult]:
+    def run(self, deadline_s: float = 120.0, on_step: Any = None,
+            abort: Any = ()) -> dict[str, RequestResult]:
         """Step until every request finished (a wall-clock limit: in-flight transfers
-        have their own deadlines, and an engine that never finishes is the failure)."""
+        have their own deadlines, and an engine that never finishes is the failure).
+        ``abort``: requests aborted (as a client disconnecting does) in the first step
+        after which they wait for their KV load (``aborted`` in their result)."""
         import time as _time
+
+        from vllm.v1.request import RequestStatus
 
         limit = _time.monotonic() + deadline_s
         steps = 0
+        pending = set(abort)
         while self.scheduler.has_requests():
             if _time.monotonic() > limit:
                 raise RuntimeError(f"requests still unfinished after {deadline_s} s: "
                                    f"{self._states()}")
             self.step()
             steps += 1
+            for rid in list(pending):
+                req = self.scheduler.requests.get(rid)
+                if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+                    self.results[rid].aborted = True
+                    pending.discard(rid)
             if on_step is not None:
                 on_step(steps)
         return self.results
@@ -302,9 +450,6 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.forward_context import set_forward_context
         from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.worker.kv_connector_model_runner_mixin import (
-            KVConnectorModelRunnerMixin,
-        )
 
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
@@ -317,11 +462,18 @@ class Engine:
         for rank, worker in enumerate(self.workers):
             sout = pickle.loads(wire)
             kv_transfer_state._KV_CONNECTOR_AGENT = worker
-            with set_forward_context(None, self.config), \
-                    KVConnectorModelRunnerMixin._get_kv_connector_output(sout) as kvo:
-                self._forward(rank, sout)
-            outputs.append(ModelRunnerOutput(req_ids=[], req_id_to_index={},
-                                             kv_connector_output=kvo))
+            driver = self.drivers[rank]
+            if driver is None:  # vLLM 0.32 / 0.33: the V1 model runner's mixin
+                with set_forward_context(None, self.config), \
+                        self.mixin._get_kv_connector_output(sout) as kvo:
+                    self._forward(rank, sout)
+            else:  # vLLM 0.34: the V2 model runner's ActiveKVConnector
+                driver.pre_forward(sout)
+                with set_forward_context(None, self.config):
+                    self._forward(rank, sout)
+                driver.finish_forward()
+                kvo = driver.post_forward(sout.finished_req_ids)
+            outputs.append(runner_output(ModelRunnerOutput, [], kv_connector_output=kvo))
         kv_transfer_state._KV_CONNECTOR_AGENT = None
         if self._aggregator is None:  # one for the engine's life: it counts across steps
             self._aggregator = KVOutputAggregator.from_connector(self.workers[0],
@@ -333,9 +485,8 @@ class Engine:
             req = self.scheduler.requests[rid]
             done = req.num_computed_tokens + out.num_scheduled_tokens[rid]
             sampled.append([7 + len(req.output_token_ids)] if done >= req.num_tokens else [])
-        mro = ModelRunnerOutput(req_ids=req_ids,
-                                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled, kv_connector_output=kvo)
+        mro = runner_output(ModelRunnerOutput, req_ids, sampled_token_ids=sampled,
+                            kv_connector_output=kvo)
         self.scheduler.update_from_output(out, mro)
         if not req_ids:
             _time.sleep(0.005)  # only transfers in flight: let them progress
@@ -350,15 +501,23 @@ class Engine:
         sched = [(n.req_id, n.num_computed_tokens) for n in sout.scheduled_new_reqs]
         cached = sout.scheduled_cached_reqs
         sched += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        # A request scheduled again after a preemption: in scheduled_new_reqs (vLLM
+        # 0.34, and V2 runners), or resumed_req_ids (0.32 / 0.33's V1 runner).
+        resumed = set(getattr(cached, "resumed_req_ids", None) or ())
+        resumed |= {n.req_id for n in sout.scheduled_new_reqs
+                    if rank > 0 or self.results[n.req_id].first_computed >= 0}
         for rid, computed in sched:
             n = sout.num_scheduled_tokens[rid]
             blocks = self._blocks(rid, sout)
             req = self.scheduler.requests[rid]
             tokens = list(req.all_token_ids)
             res = self.results[rid]
-            if res.first_computed < 0 and rank == 0:
+            first = res.first_computed < 0
+            if first:
                 res.first_computed = computed
-            if computed and res.first_computed == computed:
+            elif rid in resumed and rank == 0:
+                res.resumed = [*(res.resumed or []), computed]
+            if computed and (first or rid in resumed):
                 res.verified &= self._check(rank, blocks, tokens, computed)
             pos = torch.arange(computed, computed + n)
             tok = torch.tensor(tokens[computed:computed + n])
@@ -388,6 +547,24 @@ class Engine:
                 if not torch.equal(plane[at], w):
                     return False
         return True
+
+    def views(self) -> list[dict[str, Any]]:
+        """What each rank registered: per layer its storage's bytes and data pointer,
+        with the block count and one layer's bytes per block (a padded layer stride
+        shows as pointers further apart than ``num_blocks * block_bytes``)."""
+        out = []
+        for rank, caches in enumerate(self.kv):
+            layers = [caches[n] for n in self.layer_names]
+            out.append({
+                "extensible": self.extensible, "layout": self.layout,
+                "num_blocks": int(layers[0].shape[0]),
+                "block_bytes": int(layers[0][0].numel() * layers[0].element_size()),
+                "storage_nbytes": [int(t.untyped_storage().nbytes()) for t in layers],
+                "data_ptrs": [int(t.data_ptr()) for t in layers],
+                "registered_blocks": int(self.workers[rank].worker.reg.cache.geometry.num_blocks)
+                if getattr(self.workers[rank], "worker", None) is not None
+                and self.workers[rank].worker.reg is not None else None})
+        return out
 
     def drain(self, deadline_s: float = 60.0) -> None:
         """Step until every finished request's blocks are released, i.e. the workers
@@ -454,11 +631,22 @@ def main(spec_path: str) -> None:
 
     Spec: ``connector`` ("ours" | "lmcache"), ``extra`` (kv_connector_extra_config),
     ``tp``, ``mla`` (the tiny DeepSeek-V2 engine), ``backend`` (CPU_ATTN | FLASH_ATTN),
-    ``layout`` (a KVCacheLayout name for ``VLLM_KV_CACHE_LAYOUT``), ``phases``: a list of ``{"requests":
-    [{"id", "prompt", "salt"?}], "on_step": {"N": [argv...]}, "on_retrieve": [argv...]}``
-    run one after the other on the same engine (``on_step`` runs a command after step N
-    of the phase, ``on_retrieve`` when a step first orders a RETRIEVE, before the
-    workers run: e.g. to stop the server between lookup and load).
+    ``layout`` (a KVCacheLayout name for ``VLLM_KV_CACHE_LAYOUT``), ``num_blocks`` (96),
+    ``prefix_caching`` (true), ``extensible`` (vLLM 0.34's extensible cache: null, as
+    vLLM decides; or true / false), ``phases``: a list of ``{"requests": [{"id",
+    "prompt", "salt"?, "max_tokens"?, "prompt_logprobs"?}], "on_step": {"N": [argv...]},
+    "on_retrieve": [argv...], "sleep_wake": bool, "abort_when_loading": [id...]}`` run
+    one after the other on the same
+    engine (``on_step`` runs a command after step N of the phase, ``on_retrieve`` when a
+    step first orders a RETRIEVE, before the workers run: e.g. to stop the server
+    between lookup and load; ``sleep_wake``: ``Engine.sleep`` then ``Engine.wake``
+    after the phase).
+
+    The result: per request its :class:`RequestResult`; with our connector the
+    workers' summed stats, LOOKUPs sent per request (``lookups``), every
+    registration's instance id per rank (``instances``), the preemptions, and the
+    KV views each rank registered (``views``: storage bytes, data pointers, the block
+    count and bytes of a block of one layer, the layout, whether extensible).
     """
     import subprocess
     import time
@@ -469,13 +657,23 @@ def main(spec_path: str) -> None:
     if spec.get("layout"):
         os.environ["VLLM_KV_CACHE_LAYOUT"] = spec["layout"]
     eng = Engine(which, spec["extra"], tp=spec.get("tp", 1), mla=spec.get("mla", False),
-                 backend=spec.get("backend", "CPU_ATTN"))
-    out: dict[str, Any] = {"requests": {}, "phase_seconds": []}
+                 backend=spec.get("backend", "CPU_ATTN"),
+                 num_blocks=spec.get("num_blocks", 96),
+                 prefix_caching=spec.get("prefix_caching", True),
+                 extensible=spec.get("extensible"))
+    out: dict[str, Any] = {"requests": {}, "phase_seconds": [], "vllm": vllm_release()}
+    lookups: dict[str, int] = {}
+    instances: list[list[int]] = [[] for _ in eng.workers]
+    if which is OURS:
+        _watch(eng, lookups, instances)
+        out["views"] = eng.views()
     try:
         for phase in spec["phases"]:
             t0 = time.monotonic()
             for r in phase["requests"]:
-                eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"))
+                eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"),
+                        max_tokens=r.get("max_tokens", 3),
+                        prompt_logprobs=r.get("prompt_logprobs"))
             hooks = {int(k): v for k, v in phase.get("on_step", {}).items()}
             if "on_retrieve" in phase:
                 argv = phase["on_retrieve"]
@@ -485,27 +683,68 @@ def main(spec_path: str) -> None:
                 if n in hooks:
                     subprocess.run(hooks[n], check=True)
 
-            eng.run(on_step=on_step)
+            eng.run(on_step=on_step, abort=phase.get("abort_when_loading", ()))
             eng.drain()
             if which is OURS:
                 eng.wait_visible(phase["requests"])
             out["phase_seconds"].append(round(time.monotonic() - t0, 3))
+            if phase.get("sleep_wake"):
+                eng.sleep()
+                eng.wake()
             if "sleep_after" in phase:
                 time.sleep(phase["sleep_after"])
         out["requests"] = {rid: vars(r) for rid, r in eng.results.items()}
+        out["preemptions"] = sum(getattr(r, "num_preemptions", 0)
+                                 for r in eng.finished_requests)
         if which is OURS:
             stats: dict[str, int] = {}
             for w in eng.workers:
                 for k, v in w.worker.stats.items():
                     stats[k] = stats.get(k, 0) + v
             out["stats"] = stats
+            out["lookups"] = lookups
+            out["instances"] = [list(i) for i in instances]
     finally:
         eng.shutdown()
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def vllm_release() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def _watch(eng: Engine, lookups: dict[str, int], instances: list[list[int]]) -> None:
+    """Count the LOOKUPs our scheduler side sends per vLLM request id, and record the
+    instance id of every registration each worker makes (wrapping their clients)."""
+    sched = eng.scheduler.connector.scheduler
+    for client in sched.clients.values():
+        submit = client.submit_lookup_async
+
+        def counted(key: Any, *args: Any, submit: Any = submit, **kw: Any) -> Any:
+            rid = key.request_id.rpartition("~")[0]
+            lookups[rid] = lookups.get(rid, 0) + 1
+            return submit(key, *args, **kw)
+
+        client.submit_lookup_async = counted
+    for rank, w in enumerate(eng.workers):
+        side = w.worker
+        if side.reg is not None:
+            instances[rank].append(side.reg.instance_id)
+        register = side.client.register
+
+        def recorded(*args: Any, register: Any = register, rank: int = rank,
+                     **kw: Any) -> Any:
+            reg = register(*args, **kw)
+            instances[rank].append(reg.instance_id)
+            return reg
+
+        side.client.register = recorded
+
+
 def sleep_mode_check() -> None:
-    """Print whether vLLM refuses ``enable_sleep_mode`` with our connector (vLLM 0.33
+    """Print whether vLLM refuses ``enable_sleep_mode`` with our connector (vLLM 0.33+
     asks the connector's ``supports_sleep_mode`` in ``VllmConfig``), as one JSON line."""
     import vllm
     from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
@@ -528,8 +767,83 @@ def sleep_mode_check() -> None:
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def kv_cache_access_check() -> None:
+    """Per ``lmcache.mp.mp_transfer_mode``: the ``KVCacheAccess`` vLLM 0.34 reads from
+    our connector (its own ``KVTransferConfig.kv_cache_access``, through its factory)
+    and whether vLLM then allocates its extensible cache on a GPU (its own
+    resolution, :func:`extensible_by_vllm`); and what a wrong mode makes vLLM's config
+    raise. One JSON line."""
+    from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    def transfer_config(mode: str | None) -> Any:
+        extra = {} if mode is None else {"lmcache.mp.mp_transfer_mode": mode}
+        return KVTransferConfig(kv_connector=OURS[0], kv_connector_module_path=OURS[1],
+                                kv_role="kv_both", kv_connector_extra_config=extra)
+
+    out: dict[str, Any] = {}
+    for mode in (None, "auto", "engine_driven", "lmcache_driven"):
+        ktc = transfer_config(mode)
+        config = VllmConfig(model_config=ModelConfig(model=model_dir(), skip_tokenizer_init=True,
+                                                     dtype="float16"),
+                            device_config=DeviceConfig("cpu"), kv_transfer_config=ktc)
+        out[mode or "default"] = {"access": ktc.kv_cache_access().name,
+                                  "extensible": extensible_by_vllm(config)}
+    try:
+        transfer_config("gpu_driven").kv_cache_access()
+        out["wrong"] = None
+    except Exception as exc:  # noqa: BLE001 - reported
+        out["wrong"] = f"{type(exc).__name__}: {exc}"
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def token_buffer_check() -> None:
+    """vLLM 0.34's own ``Request``: its ``all_token_ids`` (a ``ConstantList`` of a
+    ``TokenBuffer``) packed by the connector with the buffer's per-token reads made to
+    fail, the key's bytes compared with a list's, and the buffer still growable after
+    (no export of it left behind). One JSON line."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from lmcache_mp.integrations.vllm.compat import token_ids
+    from lmcache_mp.keys import CacheKey
+
+    ids = prompt(7, 5000)
+    req = Request(request_id="t", prompt_token_ids=list(ids), pooling_params=None,
+                  sampling_params=SamplingParams(max_tokens=2))
+    buffer_type = type(req.all_token_ids._x)
+
+    def per_token(*args: Any) -> Any:
+        raise AssertionError("the TokenBuffer was read token by token")
+
+    saved = {name: buffer_type.__dict__.get(name) for name in ("__iter__", "__getitem__")}
+    buffer_type.__iter__ = per_token  # type: ignore[method-assign]
+    buffer_type.__getitem__ = per_token  # type: ignore[method-assign]
+    try:
+        packed = token_ids(req.all_token_ids)
+    finally:
+        for name, fn in saved.items():
+            if fn is None:
+                delattr(buffer_type, name)
+            else:
+                setattr(buffer_type, name, fn)
+
+    def key(tokens: Any) -> CacheKey:
+        return CacheKey(model_name="m", world_size=1, worker_id=None, token_ids=tokens,
+                        start=0, end=len(ids), request_id="t")
+
+    req.append_output_token_ids(11)  # vLLM grows the buffer as it decodes
+    print("RESULT " + json.dumps({
+        "buffer": f"{buffer_type.__module__}.{buffer_type.__name__}",
+        "bases": [b.__name__ for b in buffer_type.__mro__],
+        "packed_as": type(packed).__name__,
+        "same_bytes": key(packed).token_bytes == key(list(ids)).token_bytes,
+        "grew_to": len(req.all_token_ids)}), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--sleep-mode":
-        sleep_mode_check()
+    checks = {"--sleep-mode": sleep_mode_check, "--kv-cache-access": kv_cache_access_check,
+              "--token-buffer": token_buffer_check}
+    if sys.argv[1] in checks:
+        checks[sys.argv[1]]()
     else:
         main(sys.argv[1])

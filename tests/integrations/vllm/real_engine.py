@@ -255,8 +255,12 @@ def _worker_stats(worker: Any) -> Any:
     out: dict[str, Any] = {"class": f"{type(conn).__module__}.{type(conn).__name__}"}
     side = getattr(conn, "worker", None)  # ours: WorkerSide
     if side is not None and isinstance(getattr(side, "stats", None), dict):
+        from lmcache_mp.integrations.vllm.amx import amx_state
+
         out["stats"] = dict(side.stats)
         out["registered"] = side.reg is not None
+        out["pid"] = os.getpid()
+        out["amx"] = amx_state()  # what the connector asked Linux for, in this worker
     else:  # LMCache's: report what its adapter has that looks like counters
         for name in ("worker_adapter", "_worker_adapter", "adapter"):
             adapter = getattr(conn, name, None)

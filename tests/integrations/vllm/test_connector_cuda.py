@@ -103,8 +103,8 @@ def op(direction: str, rid: str = "r") -> TransferOp:
 def worker_for(server: FakeServer, cache: Any) -> WorkerSide:
     client = Client(server.url, timeout=5.0, heartbeat_interval=None)
     w = WorkerSide(ConnectorConfig(), client, placement([server.url], 1, 0), "m")
-    w.set_registration(lambda: client.register(cache, model_name="m", mode="auto",
-                                               timeout=5.0), BS)
+    w.set_registration(lambda _iid: client.register(cache, model_name="m", mode="auto",
+                                                    timeout=5.0), BS)
     assert w.reg is not None
     return w
 

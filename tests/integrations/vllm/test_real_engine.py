@@ -126,8 +126,9 @@ REFERENCE_ROUNDS: dict[str, tuple[list[dict[str, Any]], int]] = {
 
 # ------------------------------------------------------------------------ engines
 class Engines:
-    """Runs real engines: ours (and none) forked from one zygote, LMCache's in a fresh
-    spawned-engine interpreter each."""
+    """Runs real engines: ours (and none) forked from one zygote, LMCache's (and a spec
+    with ``"fresh": true``) in a fresh interpreter each, whose engine core vLLM spawns:
+    a process that inherits nothing from the tests' processes."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -137,7 +138,8 @@ class Engines:
         spec = {**BASE, **spec}
         path = self.tmp / f"real-{random.getrandbits(32)}.json"
         path.write_text(json.dumps(spec))
-        if spec.get("connector") in (None, "ours") and int(spec.get("tp", 1)) == 1:
+        if (spec.get("connector") in (None, "ours") and int(spec.get("tp", 1)) == 1
+                and not spec.get("fresh")):
             if self.zygote is None:
                 self.zygote = Zygote([str(vllm_python()), str(ZYGOTE), "--real"],
                                      engine_env(), self.tmp / "zygote-real.log")
@@ -483,6 +485,53 @@ def test_preempted_request_looks_up_again_and_loads(
     assert r["counters"].get("vllm:num_preemptions", 0) >= 1, r["counters"]
     assert stats(r)["retrieved"] >= 1  # the cache was cold: only a reload retrieves
     same_output_up_to_a_tie(r["rounds"][0]["outputs"], reference["cold"]["preempt"])
+
+
+#: Prompts of whole chunks only (every token stored), one per variant of the check.
+FULL_HIT = {False: {"seed": 18, "len": 2 * CHUNK}, True: {"seed": 19, "len": 2 * CHUNK}}
+#: A load that leaves one token to compute splits the prefix elsewhere than vLLM's own
+#: cache does (at 511, not 480): the logprobs move by rounding (seen: < 1e-2); a wrong
+#: load moves them by whole nats.
+FULL_HIT_DRIFT = 0.05
+
+
+@pytest.mark.parametrize("fresh", [False, pytest.param(True, marks=edge_only)],
+                         ids=["forked", "fresh-process"])
+def test_a_fresh_engines_first_forward_pass_is_a_full_hit(
+        engines: Engines, server: LiveServer, fresh: bool) -> None:
+    """The prompt is two whole chunks, all stored: a fresh engine loads all of it but
+    the last token, so its very first forward pass computes one token over loaded KV.
+    vLLM 0.32's CPU attention then uses AMX tiles before anything asked Linux for them
+    (oneDNN asks before its own AMX matmuls, which a full prefill reaches first): on an
+    AMX host the worker died of SIGILL, with this connector and with LMCache's. The
+    connector asks for the permission when it registers the CPU cache (amx.py).
+    ``fresh-process``: the loading engine's core is a process vLLM spawns from a fresh
+    interpreter, so it cannot inherit the permission from the tests' fork server (a
+    process that ran a bf16 matmul has it, and its children too): it must ask itself
+    (run against 0.5.3 and 0.5.7rc2, ~30 s an engine). Tokens as the storing engine's,
+    computed without any load (itself equal to a run without a connector:
+    test_cold_and_loaded_engines_match_no_connector)."""
+    p = [FULL_HIT[fresh]]
+    cold = engines.run({**ours(server.url), "prompts": p, "max_tokens": 8})
+    assert cached(cold) == [0] and stats(cold)["stored"] == 1
+    warm = engines.run({**ours(server.url), "prompts": p, "max_tokens": 8, "fresh": fresh})
+    assert cached(warm) == [2 * CHUNK - 1], "the first forward pass was not a full hit"
+    assert stats(warm)["retrieved"] == 1 and stats(warm)["load_errors"] == 0
+    got, want = warm["rounds"][0]["outputs"], cold["rounds"][0]["outputs"]
+    assert got[0]["tokens"] == want[0]["tokens"]
+    assert logprob_gap(got, want) <= FULL_HIT_DRIFT
+    (worker,) = warm["worker_stats"]
+    amx_host = "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    print(f"AMX host: {amx_host}; the loading worker (pid {worker['pid']}): "
+          f"{worker['amx']}; logprob gap {logprob_gap(got, want):.2e}")
+    if fresh:
+        assert warm["multiprocessing"] and worker["pid"] != warm["pid"]
+        # Asked in that process, and not inherited: on an AMX host it was granted
+        # then; elsewhere the kernel says there is no AMX.
+        assert worker["amx"] == ("granted" if amx_host else "no AMX"), worker
+    else:
+        assert worker["amx"] in (("granted", "already granted") if amx_host
+                                 else ("no AMX",)), worker
 
 
 @one_release

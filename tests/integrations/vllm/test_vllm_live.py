@@ -61,12 +61,14 @@ def _close_zygotes() -> Any:
 def run_engine(tmp_path: Path, connector: str, urls: list[str], phases: list[dict[str, Any]],
                *, tp: int = 1, extra: dict[str, Any] | None = None,
                timeout: float = 240, mla: bool = False, backend: str = "CPU_ATTN",
-               layout: str | None = None) -> dict[str, Any]:
+               layout: str | None = None, **engine: Any) -> dict[str, Any]:
     """One engine process on a fresh spec. Forked from a per-connector ``zygote.py``
     (vLLM already imported) unless LMCACHE_MP_VLLM_ZYGOTE=0, then a fresh interpreter.
-    ``backend`` / ``layout``: the attention backend and ``VLLM_KV_CACHE_LAYOUT``."""
+    ``backend`` / ``layout``: the attention backend and ``VLLM_KV_CACHE_LAYOUT``;
+    ``engine``: more of the spec (``num_blocks``, ``prefix_caching``, ``extensible``:
+    harness.main)."""
     spec = {"connector": connector, "tp": tp, "mla": mla, "phases": phases,
-            "backend": backend, "layout": layout,
+            "backend": backend, "layout": layout, **engine,
             "extra": {"lmcache.mp.server_urls": urls, **(extra or {})}}
     path = tmp_path / f"spec-{random.getrandbits(32)}.json"
     path.write_text(json.dumps(spec))
@@ -341,25 +343,35 @@ def test_server_down_from_the_start(tmp_path: Path) -> None:
     assert loaded(r, "z") == 0 and r["stats"]["stored"] == 0
 
 
-def test_sleep_mode_is_refused_where_vllm_asks() -> None:
-    """vLLM 0.33 asks a connector whether it follows sleep mode's KV-cache remap; ours
-    does not (yet), so vLLM must refuse --enable-sleep-mode with it, not accept it."""
+def test_sleep_and_wake_register_again_and_load_again(server: LiveServer,
+                                                      tmp_path: Path) -> None:
+    """vLLM 0.33+ releases the KV cache's memory on sleep between
+    ``unregister_kv_caches`` and ``restore_kv_caches`` (0.34: its extensible cache's
+    pages, the same addresses after); the connector unregisters first and registers
+    again afterwards under the same instance id; vLLM clears its prefix cache, so the
+    next request loads from the server into the new memory, bytes equal. And vLLM
+    accepts ``--enable-sleep-mode`` with the connector (it asks
+    ``supports_sleep_mode``: 0.33's refusal before the connector followed sleep)."""
     from tests.integrations.vllm.engines import vllm_python, vllm_version
 
-    version = ".".join(map(str, vllm_version()))  # the tree's, not a vLLM process's
     if vllm_version() < (0, 33):
-        pytest.skip(f"vLLM {version} does not ask connectors about sleep mode (0.33 does: "
-                    f"make test runs this file under vLLM 0.33's tree too)")
+        pytest.skip(f"vLLM {'.'.join(map(str, vllm_version()))} has no sleep hooks for "
+                    f"connectors (0.33 and 0.34 do: make test runs this under their trees)")
+    p = tokens(347, 2 * CHUNK + 7)
+    r = run_engine(tmp_path, "ours", [server.url], [
+        {"requests": [req("s", p)], "sleep_wake": True},
+        {"requests": [req("l", p)]}])
+    assert loaded(r, "s") == 0
+    (before, after) = r["instances"][0]
+    assert before == after, "registered under a new instance id after waking"
+    assert loaded(r, "l") == 2 * CHUNK and r["stats"]["load_errors"] == 0
     proc = subprocess.run([str(vllm_python()), str(HARNESS), "--sleep-mode"],
                           capture_output=True, text=True, timeout=300, env=engine_env(),
                           cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
-    if not out["vllm"].startswith("0.33"):
-        pytest.skip(f"vLLM {out['vllm']} does not ask connectors about sleep mode (0.33 "
-                    f"does: make test runs this file under vLLM 0.33's tree too)")
-    assert out["refused"] and "does not support sleep mode" in out["error"], out
+    assert out["refused"] is False, out
 
 
 if __name__ == "__main__":

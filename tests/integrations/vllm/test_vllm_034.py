@@ -1,0 +1,154 @@
+"""The connector under vLLM 0.34's real Scheduler and its V2 worker wiring, against a
+real LMCache server (``make test``'s ``vllm-tree-0.34`` job: ``.venv-vllm-0.34.0``,
+vLLM 0.34.0's Python tree; skipped under another vLLM).
+
+What vLLM 0.34 changed for a connector (compat.py lists it), each driven through
+vLLM's own code (``harness.py``; the KV cache is vLLM 0.34's extensible cache, its
+own ``pad_kv_cache_segments`` / ``ExtensibleKVCache`` / ``extend_kv_cache`` /
+``committed_views`` over host memory: ``extensible.py``):
+
+* store, then a fresh engine loads: the bytes equal, from the padded, per-segment
+  views registered at ``extend_kv_cache``;
+* a preempted request comes back through ``scheduled_new_reqs`` (whole block table):
+  looked up again, loaded, bytes equal;
+* a request aborted while its load is pending;
+* prompt-logprob requests (``skip_reading_external_kv``) are not looked up;
+* sleep / wake: unregistered, the memory released, registered again under the same
+  instance id, loaded again (test_vllm_live.py, run here too);
+* ``kv_cache_access`` per transfer mode, as vLLM's own config resolution reads it;
+* vLLM's ``TokenBuffer`` packed without a Python loop over the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, LiveServer, start_server
+from tests.integrations.vllm.engines import engine_env, vllm_python, vllm_version
+from tests.integrations.vllm.test_vllm_live import CHUNK, loaded, req, run_engine, tokens
+from tests.support.live_helpers import both_modes_args
+
+pytestmark = [pytest.mark.live, pytest.mark.skipif(
+    os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1", reason="LMCACHE_MP_SKIP_LIVE=1")]
+
+HARNESS = Path(__file__).with_name("harness.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_034() -> None:
+    if vllm_version()[:2] < (0, 34):
+        pytest.skip(f"vLLM {'.'.join(map(str, vllm_version()))}: these are vLLM 0.34's "
+                    f"(make test runs them under .venv-vllm-0.34.0)")
+
+
+@pytest.fixture(scope="module")
+def server() -> Any:
+    s = start_server(*both_modes_args(f"v034{os.getpid()}"))
+    yield s
+    s.stop()
+
+
+def harness_script(*args: str) -> dict[str, Any]:
+    """``harness.py ARGS`` under the tree's python: its RESULT line."""
+    proc = subprocess.run([str(vllm_python()), str(HARNESS), *args], capture_output=True,
+                          text=True, timeout=300, env=engine_env(), cwd=REPO)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return dict(json.loads(lines[-1][len("RESULT "):]))
+
+
+def test_store_then_a_fresh_engine_loads_from_the_extensible_cache(
+        server: LiveServer, tmp_path: Path) -> None:
+    p = tokens(341, 3 * CHUNK + 40)
+    first = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("a", p, "x")]}])
+    assert first["vllm"].startswith("0.34")
+    assert loaded(first, "a") == 0 and first["stats"]["stored"] == 1
+    (view,) = first["views"]
+    # vLLM 0.34's extensible cache as extend_kv_cache hands it over: each layer's view
+    # its own storage spanning exactly the committed blocks, the layers' regions
+    # padded apart to the 2 MiB granule, the final block count registered, once.
+    assert view["extensible"] and view["layout"] in ("LBHNC", "LBNHC")
+    per_layer = view["num_blocks"] * view["block_bytes"]
+    assert view["storage_nbytes"] == [per_layer] * len(view["storage_nbytes"])
+    stride = view["data_ptrs"][1] - view["data_ptrs"][0]
+    assert stride > per_layer and stride % (2 << 20) == 0
+    assert view["registered_blocks"] == view["num_blocks"]
+    assert [len(i) for i in first["instances"]] == [1]
+    second = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("b", p, "x")]}])
+    assert loaded(second, "b") == 3 * CHUNK and second["stats"]["load_errors"] == 0
+
+
+def test_a_preempted_request_comes_back_through_scheduled_new_reqs_and_loads(
+        server: LiveServer, tmp_path: Path) -> None:
+    """Two requests in a cache too small for both to finish decoding (no vLLM prefix
+    cache): vLLM preempts one (its blocks freed); 0.34 schedules it again as a new
+    request with its whole block table (no ``resumed_req_ids``). It looks its tokens up
+    again and loads the chunks it stored before, bytes equal."""
+    p, q = tokens(342, 2 * CHUNK + 5), tokens(343, 2 * CHUNK + 5)
+    r = run_engine(tmp_path, "ours", [server.url], [{"requests": [
+        {**req("p", p), "max_tokens": 230}, {**req("q", q), "max_tokens": 230}]}],
+        extra={"lmcache.mp.lookup_wait": 1.0}, num_blocks=80, prefix_caching=False)
+    assert r["preemptions"] >= 1
+    resumed = {rid: x["resumed"] for rid, x in r["requests"].items() if x["resumed"]}
+    assert resumed, f"no request was scheduled again after its preemption: {r['requests']}"
+    for rid, computed in resumed.items():
+        assert computed[0] >= 2 * CHUNK, (rid, computed)  # its stored prompt chunks
+        assert r["requests"][rid]["verified"], f"{rid}: wrong bytes after the reload"
+        assert r["lookups"][rid] == 1 + len(computed)  # looked up again each time
+    assert r["stats"]["load_errors"] == 0
+
+
+def test_a_request_aborted_while_its_load_is_pending(server: LiveServer,
+                                                    tmp_path: Path) -> None:
+    """Aborted in the step it waits for its KV load: vLLM frees it once the load is
+    reported, never before (0.34 asserts the request still exists on a report); the
+    other request completes, and the engine loads again."""
+    p, other = tokens(344, 2 * CHUNK + 9), tokens(345, 2 * CHUNK + 3)
+    run_engine(tmp_path, "ours", [server.url], [{"requests": [req("s", p)]}])
+    r = run_engine(tmp_path, "ours", [server.url], [
+        {"requests": [req("a", p), req("o", other)], "abort_when_loading": ["a"]},
+        {"requests": [req("b", p)]}])
+    assert r["requests"]["a"]["aborted"]
+    assert loaded(r, "o") == 0
+    assert loaded(r, "b") == 2 * CHUNK, "the engine did not load again after the abort"
+
+
+def test_prompt_logprob_requests_are_not_looked_up(server: LiveServer,
+                                                   tmp_path: Path) -> None:
+    """vLLM 0.34 discards external hits for a request with prompt logprobs
+    (``skip_reading_external_kv``): the connector sends it no LOOKUP (whose read locks
+    nothing would free) and it is computed; another request for the same prompt loads."""
+    p = tokens(346, 2 * CHUNK + 11)
+    run_engine(tmp_path, "ours", [server.url], [{"requests": [req("s", p)]}])
+    r = run_engine(tmp_path, "ours", [server.url], [
+        {"requests": [{**req("lp", p), "prompt_logprobs": 1}]},
+        {"requests": [req("plain", p)]}])
+    assert r["lookups"].get("lp", 0) == 0, "a LOOKUP for a request vLLM reads no external KV for"
+    assert loaded(r, "lp") == 0
+    assert r["lookups"]["plain"] == 1 and loaded(r, "plain") == 2 * CHUNK
+
+
+def test_kv_cache_access_follows_the_transfer_mode() -> None:
+    """What vLLM 0.34 reads from the connector (its own config and factory) and what it
+    then allocates: engine-driven and auto keep vLLM's extensible VMM cache
+    (IN_PROCESS); LMCache-driven (the server maps the cache through CUDA IPC) declares
+    LEGACY_IPC, and vLLM allocates an ordinary cache. A wrong mode is refused when
+    vLLM reads its config, naming the key."""
+    out = harness_script("--kv-cache-access")
+    for mode in ("default", "auto", "engine_driven"):
+        assert out[mode] == {"access": "IN_PROCESS", "extensible": True}, (mode, out)
+    assert out["lmcache_driven"] == {"access": "LEGACY_IPC", "extensible": False}, out
+    assert out["wrong"] and "lmcache.mp.mp_transfer_mode" in out["wrong"]
+
+
+def test_vllms_token_buffer_is_packed_without_a_python_loop() -> None:
+    out = harness_script("--token-buffer")
+    assert out["buffer"] == "vllm.v1.token_buffer.TokenBuffer" and "array" in out["bases"]
+    assert out["packed_as"] == "ndarray" and out["same_bytes"]
+    assert out["grew_to"] == 5001  # the buffer was not left pinned by an export
