@@ -209,10 +209,6 @@ class GatherCopier:
         with torch.cuda.device(self._device), torch.cuda.stream(ext):
             yield
 
-    def _rounds(self, count: int, object_bytes: int) -> int:
-        """Chunk objects per round: as many as the staging limit holds, at least one."""
-        return max(1, min(count, STAGING_LIMIT_BYTES // max(1, object_bytes)))
-
     def _stream_order(self, stream: int) -> None:
         """Before torch touches what a queued driver copy writes or reads: on CUDA the
         stream orders them; CPU tensors (the tests' driver) run at once, so the
@@ -232,70 +228,80 @@ class GatherCopier:
         host.numpy()[:] = arr
         return host.to(self._views[0][0].device, non_blocking=True)
 
+    @contextmanager
+    def _transfer(self, chunk_tokens: int, n_objects: int,
+                  stream: int) -> Iterator[tuple[Any, int, int, int]]:
+        """A transfer of ``n_objects`` chunk objects, holding the buffer, on ``stream``:
+        (the staging buffer, blocks per chunk, bytes of one (plane, layer) row of a chunk
+        object, chunk objects per round)."""
+        per = chunk_tokens // self._g.block_size
+        width = chunk_tokens * self._hidden_units * self._unit
+        obj = len(self._views) * self._g.num_layers * width
+        k_max = max(1, min(n_objects, STAGING_LIMIT_BYTES // max(1, obj)))
+        with self._lock, self._on_stream(stream):
+            self._check_open()
+            yield self._ensure_staging(k_max * obj), per, width, k_max
+
+    def _staged(self, staging: Any, k: int, per: int) -> Any:
+        """A round's part of the staging buffer as ``[planes, layers, k * per blocks,
+        block_size, heads, row]``: the chunk objects' rows, (plane, layer)-major."""
+        planes, g = len(self._views), self._g
+        n = planes * g.num_layers * k * per * g.block_size * self._hidden_units
+        return staging[: n * self._unit].view(self._dtype).view(
+            planes, g.num_layers, k * per, g.block_size, -1, self._row)
+
+    def _dma(self, width: int, k: int, addrs: Sequence[int], stream: int,
+             to_slots: bool) -> None:
+        """One 2-D copy per chunk object between its slot (rows of ``width`` bytes, one
+        per (plane, layer), contiguous) and its columns of the staging buffer (rows
+        ``k * width`` apart)."""
+        rows, base = len(self._views) * self._g.num_layers, self._staging_ptr
+        for s, addr in enumerate(addrs):
+            if to_slots:
+                self._drv.memcpy_2d_async(int(addr), width, base + s * width, k * width,
+                                          width, rows, stream)
+            else:
+                self._drv.memcpy_2d_async(base + s * width, k * width, int(addr), width,
+                                          width, rows, stream)
+
     def store(self, ids: np.ndarray, slot_addrs: Sequence[int],
               chunk_indices: Sequence[int], chunk_tokens: int, stream: int) -> None:
         """Blocks -> slots: slot ``slot_addrs[i]`` gets chunk ``chunk_indices[i]`` of
         the key (its blocks ``ids[ci * per : (ci + 1) * per]``). Queued on ``stream``."""
-        g = self._g
-        per = chunk_tokens // g.block_size
-        planes, nl = len(self._views), g.num_layers
-        obj_units = planes * nl * chunk_tokens * self._hidden_units
-        width = chunk_tokens * self._hidden_units * self._unit  # one (plane, layer) row
-        k_max = self._rounds(len(slot_addrs), obj_units * self._unit)
-        with self._lock, self._on_stream(stream):
-            self._check_open()
-            staging = self._ensure_staging(k_max * obj_units * self._unit)
+        with self._transfer(chunk_tokens, len(slot_addrs), stream) as (staging, per, width,
+                                                                     k_max):
             for first in range(0, len(slot_addrs), k_max):
                 addrs = slot_addrs[first:first + k_max]
-                cis = chunk_indices[first:first + k_max]
-                k = len(addrs)
                 if first:
                     self._stream_order(stream)  # the last round's DMAs read the buffer
                 idx = self._index(np.concatenate(
-                    [ids[ci * per:(ci + 1) * per] for ci in cis]))
-                stg = staging[: k * obj_units * self._unit].view(self._dtype).view(
-                    planes, nl, k * per, g.block_size, -1, self._row)
-                for p in range(planes):
-                    for layer in range(nl):
-                        self._torch.index_select(self._views[p][layer], 0, idx,
-                                                 out=stg[p, layer])
-                base = self._staging_ptr
-                for s, addr in enumerate(addrs):
-                    self._drv.memcpy_2d_async(int(addr), width, base + s * width,
-                                              k * width, width, planes * nl, stream)
+                    [ids[ci * per:(ci + 1) * per] for ci in chunk_indices[first:first + k_max]]))
+                stg = self._staged(staging, len(addrs), per)
+                for p, views in enumerate(self._views):
+                    for layer, view in enumerate(views):
+                        self._torch.index_select(view, 0, idx, out=stg[p, layer])
+                self._dma(width, len(addrs), addrs, stream, to_slots=True)
 
     def retrieve(self, ids: np.ndarray, slot_addrs: Sequence[int], chunk_tokens: int,
                  skip_blocks: int, stream: int) -> None:
         """Slots -> blocks: slot ``i`` holds chunk ``i`` of the key; the key's first
         ``skip_blocks`` blocks are left untouched. Queued on ``stream``. Block ids must
         be distinct (:meth:`can_scatter`)."""
-        g = self._g
-        per = chunk_tokens // g.block_size
-        planes, nl = len(self._views), g.num_layers
-        obj_units = planes * nl * chunk_tokens * self._hidden_units
-        width = chunk_tokens * self._hidden_units * self._unit
-        k_max = self._rounds(len(slot_addrs), obj_units * self._unit)
-        with self._lock, self._on_stream(stream):
-            self._check_open()
-            staging = self._ensure_staging(k_max * obj_units * self._unit)
+        with self._transfer(chunk_tokens, len(slot_addrs), stream) as (staging, per, width,
+                                                                     k_max):
             for first in range(0, len(slot_addrs), k_max):
                 addrs = slot_addrs[first:first + k_max]
-                k = len(addrs)
-                start_block = first * per
-                skip = min(k * per, max(0, skip_blocks - start_block))
-                if skip == k * per:
+                start, end = first * per, (first + len(addrs)) * per
+                skip = min(end - start, max(0, skip_blocks - start))
+                if start + skip == end:
                     continue  # every block of this round is skipped
-                base = self._staging_ptr
-                for s, addr in enumerate(addrs):
-                    self._drv.memcpy_2d_async(base + s * width, k * width, int(addr),
-                                              width, width, planes * nl, stream)
+                self._dma(width, len(addrs), addrs, stream, to_slots=False)
                 self._stream_order(stream)
-                idx = self._index(ids[start_block + skip:start_block + k * per])
-                stg = staging[: k * obj_units * self._unit].view(self._dtype).view(
-                    planes, nl, k * per, g.block_size, -1, self._row)
-                for p in range(planes):
-                    for layer in range(nl):
-                        self._views[p][layer].index_copy_(0, idx, stg[p, layer, skip:])
+                idx = self._index(ids[start + skip:end])
+                stg = self._staged(staging, len(addrs), per)
+                for p, views in enumerate(self._views):
+                    for layer, view in enumerate(views):
+                        view.index_copy_(0, idx, stg[p, layer, skip:])
 
     @staticmethod
     def can_scatter(ids: np.ndarray) -> bool:

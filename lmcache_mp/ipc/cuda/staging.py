@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,7 +50,7 @@ from ..paged_copy import block_runs
 from .cache import CudaKVCache
 from .driver import CudaDriver, CudaError
 from .export import on_device
-from .gather import StagingUnavailable
+from .gather import GatherCopier, StagingUnavailable
 
 __all__ = ["CopyDriver", "CopyPlan", "store_plan", "retrieve_plan", "run_plan",
            "device_copy_into_slots", "device_copy_from_slots", "pinned_pools", "unpin"]
@@ -316,25 +316,38 @@ def _cache_parts(cache: ExportableKVCache, stream: Any) -> tuple[CudaKVCache, Co
     return cache, drv, cache.resolve_stream(stream)
 
 
+def _copy(cache: ExportableKVCache, stream: Any, pool_view: np.ndarray,
+          gather: Callable[[GatherCopier, int], bool],
+          plan: Callable[[CudaKVCache], CopyPlan]) -> None:
+    """One engine-driven transfer: the pool pinned, the blocks moved by the gather path
+    (``gather`` returns False where it cannot: the plan then) or the copy plan, and the
+    stream synchronised before returning."""
+    cuda, drv, handle = _cache_parts(cache, stream)
+    copier = cuda.gather_copier()
+    with on_device(drv, cuda.device):
+        _ensure_pinned(drv, cuda.device, pool_view)
+        try:
+            if copier is None or not gather(copier, handle):
+                raise _UsePlan
+        except (_UsePlan, StagingUnavailable) as exc:
+            _warn_staging(exc)
+            run_plan(drv, plan(cuda), handle)
+        drv.stream_synchronize(handle)
+
+
 def device_copy_into_slots(cache: ExportableKVCache, ids: np.ndarray, targets: Sequence[np.ndarray],
                            chunk_indices: Sequence[int], pool_view: np.ndarray,
                            chunk_tokens: int, stream: Any) -> None:
     """STORE: copy the blocks of chunks ``chunk_indices`` into the checked slot views
     ``targets`` (pool memory), and wait for the copies before returning."""
-    cuda, drv, handle = _cache_parts(cache, stream)
     addrs = [int(t.ctypes.data) for t in targets]
-    copier = cuda.gather_copier()
-    with on_device(drv, cuda.device):
-        _ensure_pinned(drv, cuda.device, pool_view)
-        try:
-            if copier is None:
-                raise _UsePlan
-            copier.store(ids, addrs, chunk_indices, chunk_tokens, handle)
-        except (_UsePlan, StagingUnavailable) as exc:
-            _warn_staging(exc)
-            run_plan(drv, store_plan(cuda.geometry, cuda.layer_ptrs, ids, addrs,
-                                     chunk_indices, chunk_tokens), handle)
-        drv.stream_synchronize(handle)
+
+    def gather(copier: GatherCopier, handle: int) -> bool:
+        copier.store(ids, addrs, chunk_indices, chunk_tokens, handle)
+        return True
+
+    _copy(cache, stream, pool_view, gather, lambda cuda: store_plan(
+        cuda.geometry, cuda.layer_ptrs, ids, addrs, chunk_indices, chunk_tokens))
 
 
 def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: Sequence[np.ndarray],
@@ -342,17 +355,13 @@ def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: S
                            stream: Any) -> None:
     """RETRIEVE: copy the checked slot views ``sources`` into the blocks, leaving the
     first ``skip_blocks`` alone, and wait for the copies before returning."""
-    cuda, drv, handle = _cache_parts(cache, stream)
     addrs = [int(s.ctypes.data) for s in sources]
-    copier = cuda.gather_copier()
-    with on_device(drv, cuda.device):
-        _ensure_pinned(drv, cuda.device, pool_view)
-        try:
-            if copier is None or not copier.can_scatter(ids[skip_blocks:]):
-                raise _UsePlan
-            copier.retrieve(ids, addrs, chunk_tokens, skip_blocks, handle)
-        except (_UsePlan, StagingUnavailable) as exc:
-            _warn_staging(exc)
-            run_plan(drv, retrieve_plan(cuda.geometry, cuda.layer_ptrs, ids, addrs,
-                                        chunk_tokens, skip_blocks), handle)
-        drv.stream_synchronize(handle)
+
+    def gather(copier: GatherCopier, handle: int) -> bool:
+        if not copier.can_scatter(ids[skip_blocks:]):
+            return False
+        copier.retrieve(ids, addrs, chunk_tokens, skip_blocks, handle)
+        return True
+
+    _copy(cache, stream, pool_view, gather, lambda cuda: retrieve_plan(
+        cuda.geometry, cuda.layer_ptrs, ids, addrs, chunk_tokens, skip_blocks))
