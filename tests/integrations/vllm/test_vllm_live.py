@@ -370,7 +370,7 @@ def test_sleep_and_wake_register_again_and_load_again(server: LiveServer,
                           cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT "):])["--sleep-mode"]
     assert out["refused"] is False, out
 
 
