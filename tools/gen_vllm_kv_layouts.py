@@ -14,6 +14,22 @@ CPU, then writes what each per-layer view is: shape, strides and storage offset 
 elements), dtype, and the backing allocation's size. The offline CUDA tests build
 their fake CUDA tensors from these (the same views vLLM hands a connector), and
 ``scripts/gpu_check.py`` rebuilds them on a GPU with ``torch.as_strided``.
+
+    .venv-vllm-0.34.0/bin/python tools/gen_vllm_kv_layouts.py --extensible \
+        [--out fixtures/vllm/kv_layouts_extensible.json]
+
+vLLM 0.34's *extensible* KV cache (its default on CUDA when the connector's
+``kv_cache_access`` allows it) in the block-compact layouts it allows a connector
+(``LBHNC``, ``LBNHC``, ``BLHNC``, ``BLNHC``; tiny geometry, and MLA): the layout
+resolved with ``enable_extensible_kv_cache`` on, the capacity sized by
+``get_kv_cache_configs``, the layers' regions padded to the 2 MiB VMM granule by
+``pad_kv_cache_segments``, ``ExtensibleKVCache`` reserving the capacity and committing
+the final block count, and the per-layer views ``committed_views`` hands the connector
+in ``extend_kv_cache``: vLLM's own code, over host memory where the GPU has VMM
+(``tests/integrations/vllm/extensible.py``'s ``ExtensibleTensor``; the geometry is
+vLLM's, not the memory's). Each layer: shape, strides, storage offset (elements, in
+its own storage: one per segment), its byte offset in the reservation and its
+storage's bytes; and the reservation's size, the capacity and the final block count.
 """
 
 from __future__ import annotations
@@ -97,13 +113,91 @@ def record(geometry: str, layout: str | None, mla: bool) -> dict[str, Any]:
     }
 
 
+def record_extensible(layout: str, mla: bool) -> dict[str, Any]:
+    """vLLM 0.34's extensible cache's committed per-layer views (module docstring)."""
+    import copy
+
+    import torch
+    import vllm
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+        set_current_vllm_config,
+    )
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import (
+        get_global_kv_cache_groups,
+        get_kv_cache_configs,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"
+                           / "vllm"))
+    import extensible
+
+    layers, heads, head_size, block, blocks, latent, dtype_name = GEOMETRIES["tiny"]
+    dtype = getattr(torch, dtype_name)
+    os.environ["VLLM_KV_CACHE_LAYOUT"] = layout
+    capacity = 2 * blocks  # reserved; the final count, committed after warm-up: blocks
+    cfg = VllmConfig(
+        model_config=ModelConfig(model=_model_dir(layers, heads), skip_tokenizer_init=True,
+                                 dtype="float16", max_model_len=256),
+        cache_config=CacheConfig(block_size=block, num_gpu_blocks_override=capacity),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_model_len=256,
+                                         is_encoder_decoder=False),
+        device_config=DeviceConfig("cpu"))
+    cfg.cache_config.enable_extensible_kv_cache = True
+    spec = (MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=latent,
+                             dtype=dtype) if mla else
+            FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_size,
+                              dtype=dtype))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    specs = {n: spec for n in names}
+    every = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
+    with set_current_vllm_config(cfg):
+        resolved = resolve_kv_cache_layout(cfg, [every], list(specs.values()))
+        kcc = get_kv_cache_configs(cfg, [specs], [spec.page_size_bytes * capacity * layers],
+                                   get_global_kv_cache_groups(cfg, [specs]))[0]
+    padded, cache = extensible.allocate(kcc, resolved, 2)
+    cache.commit(blocks, shrink=True)
+    final = copy.copy(padded)
+    final.num_blocks = blocks
+    views = cache.committed_views(final, resolved)
+    base = cache.buffer.base_ptr
+    return {
+        "vllm": vllm.__version__, "geometry": "tiny", "layout": resolved.name, "mla": mla,
+        "extensible": True, "capacity_blocks": kcc.num_blocks, "num_blocks": blocks,
+        "granule": extensible.GRANULE, "reservation_bytes": cache.size,
+        "block_size": block, "heads": 1 if mla else heads,
+        "head_size": latent if mla else head_size, "dtype": dtype_name,
+        "layers": [{"name": n, "shape": list(t.shape), "stride": list(t.stride()),
+                    "storage_offset": t.storage_offset(),
+                    "offset_bytes": t.untyped_storage().data_ptr() - base,
+                    "storage_bytes": t.untyped_storage().nbytes()}
+                   for n, t in views.items()],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="fixtures/vllm/kv_layouts.json")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--extensible", action="store_true",
+                    help="vLLM 0.34's extensible cache (run under .venv-vllm-0.34.0)")
     args = ap.parse_args()
-    out = [record("tiny", layout, False) for layout in ("LBHNC", "LBNHC", "BLHNC", "BLNHC")]
-    out.append(record("tiny", None, True))
-    out += [record("gpu_check", layout, False) for layout in ("LBNHC", "BLHNC")]
+    if args.extensible:
+        args.out = args.out or "fixtures/vllm/kv_layouts_extensible.json"
+        out = [record_extensible(layout, False)
+               for layout in ("LBHNC", "LBNHC", "BLHNC", "BLNHC")]
+        out.append(record_extensible("LBNHC", True))
+    else:
+        args.out = args.out or "fixtures/vllm/kv_layouts.json"
+        out = [record("tiny", layout, False)
+               for layout in ("LBHNC", "LBNHC", "BLHNC", "BLNHC")]
+        out.append(record("tiny", None, True))
+        out += [record("gpu_check", layout, False) for layout in ("LBNHC", "BLHNC")]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {len(out)} layouts to {args.out}", file=sys.stderr)

@@ -1,7 +1,9 @@
 """The connector's worker side with CUDA KV caches, offline: fake CUDA tensors shaped and
 strided exactly as vLLM 0.32's allocator makes them (``fixtures/vllm/kv_layouts.json``,
 recorded from vLLM's own ``allocate_kv_cache`` by ``tools/gen_vllm_kv_layouts.py``:
-4-D fused K/V views of one allocation in each layout vLLM resolves) over the fake CUDA
+4-D fused K/V views of one allocation in each layout vLLM resolves), and as vLLM 0.34's
+extensible cache hands them over (``kv_layouts_extensible.json``: the committed views
+of ``extend_kv_cache``, layer regions padded to the VMM granule), over the fake CUDA
 driver, a real lmcache_mp Client against the scripted fake server.
 
 What is checked: ``wrap_layers`` builds a CudaKVCache of vLLM's physical layout;
@@ -28,7 +30,7 @@ import pytest
 
 from lmcache_mp import Client, InvalidArgument
 from lmcache_mp.integrations.vllm.config import ConnectorConfig, placement
-from lmcache_mp.integrations.vllm.kv_caches import wrap_layers
+from lmcache_mp.integrations.vllm.kv_caches import registration_mode, wrap_layers
 from lmcache_mp.integrations.vllm.ops import StepOps, TransferOp
 from lmcache_mp.integrations.vllm.worker import WorkerSide
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaKVCache, staging
@@ -36,9 +38,13 @@ from tests.integrations.vllm.test_connector_units import with_tokens
 from tests.support.fake_cuda import FakeDriver, FakeTensor
 from tests.support.fake_server import FakeServer
 
+FIXTURES = Path(__file__).parents[3] / "fixtures" / "vllm"
 LAYOUTS = {(x["layout"], x["mla"]): x for x in json.loads(
-    (Path(__file__).parents[3] / "fixtures" / "vllm" / "kv_layouts.json").read_text())
-    if x["geometry"] == "tiny"}
+    (FIXTURES / "kv_layouts.json").read_text()) if x["geometry"] == "tiny"}
+#: vLLM 0.34's extensible cache: the committed views extend_kv_cache registers
+#: (tools/gen_vllm_kv_layouts.py --extensible: its own code over host memory).
+EXTENSIBLE = {(x["layout"], x["mla"]): x for x in json.loads(
+    (FIXTURES / "kv_layouts_extensible.json").read_text())}
 _ATT = LAYOUTS[("LBHNC", False)]
 CHUNK, BS, NB, NH, L = 256, _ATT["block_size"], _ATT["num_blocks"], _ATT["heads"], len(
     _ATT["layers"])
@@ -84,6 +90,16 @@ def vllm_layers(drv: FakeDriver, layout: str = "LBHNC", kind: str = "malloc",
                        strides=tuple(x["stride"])) for x in rec["layers"]]
 
 
+def extensible_layers(drv: FakeDriver, layout: str, mla: bool = False) -> list[FakeTensor]:
+    """vLLM 0.34's committed views of its extensible cache in ``layout``: one VMM
+    reservation, each layer in its own segment (padded to the granule: layer-compact
+    layouts) or all in one (blocks-first), at the offsets vLLM computed."""
+    rec = EXTENSIBLE[(layout, mla)]
+    base = drv.add_alloc(rec["reservation_bytes"], "vmm")
+    return [FakeTensor(base + x["offset_bytes"] + 2 * x["storage_offset"], tuple(x["shape"]),
+                       "torch.float16", strides=tuple(x["stride"])) for x in rec["layers"]]
+
+
 def logical(drv: FakeDriver, tensors: list[FakeTensor]) -> list[np.ndarray]:
     """numpy views of the fake device memory with each tensor's shape and strides."""
     out = []
@@ -100,10 +116,10 @@ def op(direction: str, rid: str = "r") -> TransferOp:
                       tuple(range(1, CHUNK // BS + 1)))
 
 
-def worker_for(server: FakeServer, cache: Any) -> WorkerSide:
+def worker_for(server: FakeServer, cache: Any, mode: str = "auto") -> WorkerSide:
     client = Client(server.url, timeout=5.0, heartbeat_interval=None)
     w = WorkerSide(ConnectorConfig(), client, placement([server.url], 1, 0), "m")
-    w.set_registration(lambda _iid: client.register(cache, model_name="m", mode="auto",
+    w.set_registration(lambda _iid: client.register(cache, model_name="m", mode=mode,
                                                     timeout=5.0), BS)
     assert w.reg is not None
     return w
@@ -209,23 +225,35 @@ def test_lmcache_driven_transfers_are_ordered_on_the_current_stream(
 
 
 @pytest.mark.parametrize(("layout", "kind"), [
-    ("LBHNC", "vmm"), ("LBNHC", "vmm"), ("BLHNC", "malloc"), ("BLNHC", "malloc")])
+    ("LBHNC", "vmm"), ("LBNHC", "vmm"), ("BLHNC", "malloc"), ("BLNHC", "malloc"),
+    ("LBHNC", "extensible"), ("LBNHC", "extensible"), ("BLHNC", "extensible"),
+    ("BLNHC", "extensible")])
 def test_engine_driven_copies_write_lmcaches_objects(
         server: FakeServer, monkeypatch: pytest.MonkeyPatch, layout: str, kind: str) -> None:
-    """VMM memory (vLLM's cumem allocator, expandable segments) and blocks-first
-    layouts: 'auto' registers them engine-driven; the copies run on the current stream,
-    synchronised before the COMMIT, and put each (token, head) row of vLLM's views into
-    the chunk object [layers, chunk, heads * C] (LMCache's connector's object); a
-    RETRIEVE puts them back."""
+    """VMM memory (vLLM's cumem allocator, expandable segments, vLLM 0.34's extensible
+    cache: its committed views, layer regions padded apart) and blocks-first layouts:
+    'auto' registers them engine-driven (under 0.34 the connector asks for it:
+    kv_caches.registration_mode); the copies run on the current stream, synchronised
+    before the COMMIT, and put each (token, head) row of vLLM's views into the chunk
+    object [layers, chunk, heads * C] (LMCache's connector's object); a RETRIEVE puts
+    them back."""
     drv = FakeDriver()
     current = CurrentStream(monkeypatch)
-    tensors = vllm_layers(drv, layout, kind)
-    cache = wrap_layers(tensors, BS, driver=drv)
+    if kind == "extensible":
+        tensors = extensible_layers(drv, layout)
+        rec = EXTENSIBLE[(layout, False)]
+        if not layout.startswith("BL"):  # the regions vLLM padded to the 2 MiB granule
+            gap = rec["layers"][1]["offset_bytes"] - rec["layers"][0]["offset_bytes"]
+            assert gap % rec["granule"] == 0 and gap > rec["layers"][0]["storage_bytes"]
+        mode = registration_mode("auto", "cuda", declared=True)
+    else:
+        tensors, mode = vllm_layers(drv, layout, kind), "auto"
+    cache = wrap_layers(tensors, BS, mode, driver=drv)
     g = cache.geometry
     shape = [L, CHUNK, NH * C]
     server.slot_geometry = {"shape": shape, "dtype": g.dtype,
                             "length": int(np.prod(shape)) * g.itemsize}
-    w = worker_for(server, cache)
+    w = worker_for(server, cache, mode)
     assert w.reg.mode == "engine"
     views = logical(drv, tensors)
     rng = np.random.default_rng(1)
