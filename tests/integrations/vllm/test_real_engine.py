@@ -127,8 +127,8 @@ REFERENCE_ROUNDS: dict[str, tuple[list[dict[str, Any]], int]] = {
 # ------------------------------------------------------------------------ engines
 class Engines:
     """Runs real engines: ours (and none) forked from one zygote, LMCache's (and a spec
-    with ``"fresh": true``) in a fresh interpreter each, whose engine core vLLM spawns:
-    a process that inherits nothing from the tests' processes."""
+    with ``"fresh": true``) in a fresh interpreter each (LMCache's with its engine core
+    spawned by vLLM): a process that inherits nothing from the tests' processes."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -505,16 +505,17 @@ def test_a_fresh_engines_first_forward_pass_is_a_full_hit(
     (oneDNN asks before its own AMX matmuls, which a full prefill reaches first): on an
     AMX host the worker died of SIGILL, with this connector and with LMCache's. The
     connector asks for the permission when it registers the CPU cache (amx.py).
-    ``fresh-process``: the loading engine's core is a process vLLM spawns from a fresh
-    interpreter, so it cannot inherit the permission from the tests' fork server (a
-    process that ran a bf16 matmul has it, and its children too): it must ask itself
-    (run against 0.5.3 and 0.5.7rc2, ~30 s an engine). Tokens as the storing engine's,
+    ``fresh-process``: the loading engine runs in a fresh interpreter (in-process,
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so it cannot inherit the permission from the
+    tests' fork server (a process that ran a bf16 matmul has it, and its children too):
+    it must ask itself (run against 0.5.3 and 0.5.7rc2: ~20 s an engine). Tokens as the storing engine's,
     computed without any load (itself equal to a run without a connector:
     test_cold_and_loaded_engines_match_no_connector)."""
     p = [FULL_HIT[fresh]]
     cold = engines.run({**ours(server.url), "prompts": p, "max_tokens": 8})
     assert cached(cold) == [0] and stats(cold)["stored"] == 1
-    warm = engines.run({**ours(server.url), "prompts": p, "max_tokens": 8, "fresh": fresh})
+    warm = engines.run({**ours(server.url), "prompts": p, "max_tokens": 8, "fresh": fresh,
+                        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}})
     assert cached(warm) == [2 * CHUNK - 1], "the first forward pass was not a full hit"
     assert stats(warm)["retrieved"] == 1 and stats(warm)["load_errors"] == 0
     got, want = warm["rounds"][0]["outputs"], cold["rounds"][0]["outputs"]
@@ -524,8 +525,8 @@ def test_a_fresh_engines_first_forward_pass_is_a_full_hit(
     amx_host = "amx_tile" in Path("/proc/cpuinfo").read_text().split()
     print(f"AMX host: {amx_host}; the loading worker (pid {worker['pid']}): "
           f"{worker['amx']}; logprob gap {logprob_gap(got, want):.2e}")
+    assert worker["pid"] == warm["pid"]  # the worker is the engine's own process
     if fresh:
-        assert warm["multiprocessing"] and worker["pid"] != warm["pid"]
         # Asked in that process, and not inherited: on an AMX host it was granted
         # then; elsewhere the kernel says there is no AMX.
         assert worker["amx"] == ("granted" if amx_host else "no AMX"), worker
