@@ -28,6 +28,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
 RELEASES = ("0.5.3", "0.5.6")
+ORACLES = (*RELEASES, "0.5.7rc2")  # the quiet-server rehearsal runs the newest
 MAX_OUT_FILES = 8  # what the device tool brings back from $OUT
 
 
@@ -43,7 +44,7 @@ def _oracle_python(version: str) -> str:
 def oracle() -> dict[str, str]:
     if os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1":
         pytest.skip("LMCACHE_MP_SKIP_LIVE=1: the rehearsal needs real LMCache servers")
-    return {v: _oracle_python(v) for v in RELEASES}
+    return {v: _oracle_python(v) for v in ORACLES}
 
 
 def _free_base_port() -> int:
@@ -112,6 +113,9 @@ def launch(oracle: dict[str, str], tmp_path: Path) -> Iterator[Any]:
             "GPU_CHECK_PYTHON": oracle["0.5.3"], "GPU_CHECK_TEST_PYTHON": sys.executable,
             "GPU_CHECK_PORT": str(_free_base_port()), "GPU_CHECK_REQUEST_TIMEOUT": "10",
             "GPU_CHECK_SKIP_PYTEST": "1",
+            # The sides these rehearsals assert on; every side runs in
+            # test_quiet_server_logs_restart_and_l1_sizing.
+            "GPU_CHECK_SIDES": "torch_ipc,raw,lmcache",
         })
         for v, python in oracle.items():
             full[f"GPU_CHECK_PYTHON_{v.replace('.', '_')}"] = python
@@ -144,10 +148,13 @@ def _made_by(name: str, run: Run) -> bool:
     """Whether a /dev/shm name belongs to a process of this run (servers by pid, the
     round-trip processes by the pid they record)."""
     pids = set(run.server_pids())
-    for rel in RELEASES:
+    for rel in ORACLES:
         f = run.out / f"results-{rel}.json"
         if f.exists():
-            pids.add(int(json.loads(f.read_text())["env"]["pid"]))
+            doc = json.loads(f.read_text())
+            pids.add(int(doc["env"]["pid"]))
+            if "restart" in doc:  # the restart step's own process
+                pids.add(int(doc["restart"]["pid"]))
     m = re.match(r"(?:lmcache_mp_|lmcache_kv_|lmcache_l1_pool_)(\d+)", name)
     return bool(m) and int(m.group(1)) in pids
 
@@ -276,23 +283,31 @@ def test_quiet_server_logs_restart_and_l1_sizing(launch: Any) -> None:
     server is known ready by asking it. The restart step SIGKILLs and restarts it,
     and a registration of each mode round-trips before and after, bits compared; the
     restarted server is stopped at the end too. The L1 is sized from the plan."""
-    run = launch(releases=("0.5.6",), LMCACHE_LOG_LEVEL="WARNING",
-                 GPU_CHECK_SIDES="torch_ipc,engine")
+    run = launch(releases=("0.5.7rc2",), LMCACHE_LOG_LEVEL="WARNING", GPU_CHECK_SIDES="")
     assert run.wait() == 0, run.stdout
     _assert_written_and_clean(run)
-    assert run.step("server 0.5.6")["status"] == "ok"
-    assert re.search(r"l1 \d+ GiB", run.step("server 0.5.6")["detail"])
-    restart = run.step("restart 0.5.6")
+    assert run.step("server 0.5.7rc2")["status"] == "ok"
+    assert re.search(r"l1 \d+ GiB", run.step("server 0.5.7rc2")["detail"])
+    restart = run.step("restart 0.5.7rc2")
     assert restart["status"] == "ok", restart
     assert re.search(r"before lmcache yes \(\d+ tries\) engine yes \(\d+ tries\); "
                      r"after lmcache yes \(\d+ tries\) engine yes", restart["detail"]), restart
-    res = run.results("0.5.6")
-    assert [r["side"] for r in res["results"]] == ["ours (torch_ipc)", "ours (engine-driven)"]
+    res = run.results("0.5.7rc2")
+    # Every side of the device run (LMCache's own client speaking 0.5.7rc2's
+    # token_bytes keys), the GPU-only ones skipped saying why.
+    sides = {r["side"]: r for r in res["results"]}
+    assert len(sides) == 11 and sides["LMCache"]["ok"]
+    assert {k for k, r in sides.items() if r.get("skipped")} == {
+        "ours (engine_plan)", "ours (engine_expandable)"}
+    assert all(r["ok"] for r in sides.values() if not r.get("skipped"))
+    engine = sides["ours (engine-driven)"]
+    assert set(engine["store_over_pinned"]) == set(engine["store_gbps"])
+    assert "by_cumulative" in sides["ours (torch_ipc)"]["profile"]
     again = res["restart"]
     assert again["ok"] and again["same_instance_ids"] and again["new_pid"] in run.server_pids()
     assert len(set(run.server_pids())) == 2  # the first server and the restarted one, both gone
     servers_log = (run.out / "servers.log").read_text()
-    assert servers_log.count("===== server 0.5.6 started") == 2
+    assert servers_log.count("===== server 0.5.7rc2 started") == 2
 
 
 def test_a_budget_too_small_still_writes_a_table(launch: Any) -> None:
