@@ -271,6 +271,12 @@ def test_sigkill_leaves_the_last_written_summary(launch: Any) -> None:
     for pid in run.server_pids():
         Path(f"/dev/shm/lmcache_l1_pool_{pid}").unlink(missing_ok=True)
     round_trip = int(res["env"]["pid"])
+    # `timeout` puts the round trip in a process group of its own, out of the killpg's
+    # reach: it would end by itself at its side timeout (120 s), not left to run on.
+    try:
+        os.kill(round_trip, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     for name in os.listdir("/dev/shm"):
         if name.startswith((f"lmcache_kv_{round_trip}_", f"lmcache_mp_{round_trip}_")):
             os.unlink(f"/dev/shm/{name}")
