@@ -62,28 +62,19 @@ def _model_dir(layers: int, heads: int) -> str:
     return str(path)
 
 
-def record(geometry: str, layout: str | None, mla: bool) -> dict[str, Any]:
-    import torch
-    import vllm
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
-    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-    from vllm.v1.worker.utils import allocate_kv_cache
+#: Every layout vLLM resolves from: the recording asks for VLLM_KV_CACHE_LAYOUT's.
+EVERY_LAYOUT = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
 
-    layers, heads, head_size, block, blocks, latent, dtype_name = GEOMETRIES[geometry]
+
+def _config_and_specs(geometry: str, mla: bool, blocks: int) -> tuple[Any, Any, dict[str, Any]]:
+    """vLLM's own config for ``geometry`` (``blocks`` GPU blocks), the attention spec of
+    every layer, and the specs by layer name, as the model runner builds them."""
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    layers, heads, head_size, block, _, latent, dtype_name = GEOMETRIES[geometry]
     dtype = getattr(torch, dtype_name)
-    if layout is None:
-        os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
-    else:
-        os.environ["VLLM_KV_CACHE_LAYOUT"] = layout
     cfg = VllmConfig(
         model_config=ModelConfig(model=_model_dir(layers, heads), skip_tokenizer_init=True,
                                  dtype="float16", max_model_len=256),
@@ -95,11 +86,26 @@ def record(geometry: str, layout: str | None, mla: bool) -> dict[str, Any]:
                              dtype=dtype) if mla else
             FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_size,
                               dtype=dtype))
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    specs = {n: spec for n in names}
-    every = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
+    return cfg, spec, {f"model.layers.{i}.self_attn.attn": spec for i in range(layers)}
+
+
+def record(geometry: str, layout: str | None, mla: bool) -> dict[str, Any]:
+    import torch
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    layers, heads, head_size, block, blocks, latent, dtype_name = GEOMETRIES[geometry]
+    if layout is None:
+        os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+    else:
+        os.environ["VLLM_KV_CACHE_LAYOUT"] = layout
+    cfg, spec, specs = _config_and_specs(geometry, mla, blocks)
+    names = list(specs)
     with set_current_vllm_config(cfg):
-        resolved = resolve_kv_cache_layout(cfg, [every], list(specs.values()))
+        resolved = resolve_kv_cache_layout(cfg, [EVERY_LAYOUT], list(specs.values()))
         kcc = get_kv_cache_configs(cfg, [specs], [spec.page_size_bytes * blocks * layers])[0]
     views = allocate_kv_cache(kcc, torch.device("cpu"), resolved)
     base = views[names[0]].untyped_storage()
@@ -117,48 +123,25 @@ def record_extensible(layout: str, mla: bool) -> dict[str, Any]:
     """vLLM 0.34's extensible cache's committed per-layer views (module docstring)."""
     import copy
 
-    import torch
     import vllm
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-        set_current_vllm_config,
-    )
+    from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import (
         get_global_kv_cache_groups,
         get_kv_cache_configs,
     )
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"
                            / "vllm"))
     import extensible
 
     layers, heads, head_size, block, blocks, latent, dtype_name = GEOMETRIES["tiny"]
-    dtype = getattr(torch, dtype_name)
     os.environ["VLLM_KV_CACHE_LAYOUT"] = layout
     capacity = 2 * blocks  # reserved; the final count, committed after warm-up: blocks
-    cfg = VllmConfig(
-        model_config=ModelConfig(model=_model_dir(layers, heads), skip_tokenizer_init=True,
-                                 dtype="float16", max_model_len=256),
-        cache_config=CacheConfig(block_size=block, num_gpu_blocks_override=capacity),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_model_len=256,
-                                         is_encoder_decoder=False),
-        device_config=DeviceConfig("cpu"))
+    cfg, spec, specs = _config_and_specs("tiny", mla, capacity)
     cfg.cache_config.enable_extensible_kv_cache = True
-    spec = (MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=latent,
-                             dtype=dtype) if mla else
-            FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head_size,
-                              dtype=dtype))
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    specs = {n: spec for n in names}
-    every = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
     with set_current_vllm_config(cfg):
-        resolved = resolve_kv_cache_layout(cfg, [every], list(specs.values()))
+        resolved = resolve_kv_cache_layout(cfg, [EVERY_LAYOUT], list(specs.values()))
         kcc = get_kv_cache_configs(cfg, [specs], [spec.page_size_bytes * capacity * layers],
                                    get_global_kv_cache_groups(cfg, [specs]))[0]
     padded, cache = extensible.allocate(kcc, resolved, 2)
