@@ -80,6 +80,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+# One readiness probe, lmcache-server.sh's too.
+from wait_ready import wait_ready  # noqa: E402
+
 SIDES = ("torch_ipc", "raw", "auto", "lmcache", "engine", "engine_plan", "engine_nhd",
          "engine_expandable", "nhd_views", "vllm_views", "vllm_views_engine",
          "vllm_blocks_first")
@@ -116,10 +120,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--l1-gib", action="store_true",
                    help="print the L1 size (GiB) this run's sides, sizes and reps need, "
                         "and exit")
-    p.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
-                   help="only wait until the server at --url answers GET_CHUNK_SIZE (exit "
-                        "0), its --pid ends (3) or SECONDS pass (1)")
-    p.add_argument("--pid", type=int, default=0, help="the server's pid (--wait-ready)")
     p.add_argument("--restart-check", action="store_true",
                    help="the restart step: a registration of each mode round-trips, the "
                         "server is SIGKILLed and restarted (--server-pid-file, "
@@ -885,7 +885,7 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
                 # A measurement, not a check: its failure is recorded, not the side's.
                 res["step"] = f"profile {size} tokens"
                 try:
-                    res["profile"] = profile_transfers(side, args, size, layout, model, rng)
+                    res["profile"] = profile_transfers(side, size, layout, model, rng)
                 except Exception as exc:
                     res["profile"] = {"error": f"{type(exc).__name__}: {exc}"}
         if isinstance(side, EngineSide) and side.mode == "engine" and not args.cpu_dry_run:
@@ -908,8 +908,8 @@ def run_side(run: SideRun, args: argparse.Namespace, layout: Layout, seed: int,
                 pass
 
 
-def profile_transfers(side: Side, args: argparse.Namespace, size: int, layout: Layout,
-                      model: str, rng: random.Random, pairs: int = 20) -> dict[str, Any]:
+def profile_transfers(side: Side, size: int, layout: Layout, model: str,
+                      rng: random.Random, pairs: int = 20) -> dict[str, Any]:
     """Where a small transfer's time goes: ``pairs`` STORE / LOOKUP / RETRIEVE rounds of
     ``size`` tokens under cProfile, the top entries by cumulative and by own time (the
     calling thread's: LMCache's client waits there while its I/O thread works)."""
@@ -1071,42 +1071,6 @@ def l1_gib(args: argparse.Namespace) -> int:
             stored += 20 * min(sizes) * per_token
     stored += 4 * 2 * 512 * per_token  # the restart step: two registrations, two rounds
     return int(-(-stored * 5 // 4 // (1 << 30))) + 1
-
-
-def wait_ready(url: str, pid: int, seconds: float) -> int:
-    """Ask the server (GET_CHUNK_SIZE, id 21 in every release) every 0.5 s until it
-    answers (0), its process ends (3) or ``seconds`` pass (1). Asking, not reading its
-    log: an operator's LMCACHE_LOG_LEVEL=WARNING hides the INFO line it prints when
-    ready."""
-    import msgspec
-    import zmq
-
-    def alive() -> bool:
-        if not pid:
-            return True
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    ctx = zmq.Context()
-    try:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if not alive():
-                return 3
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(url)
-            sock.send_multipart([msgspec.msgpack.encode(0), msgspec.msgpack.encode(21)])
-            ok = sock.poll(500)
-            sock.close()
-            if ok:
-                return 0
-        return 1
-    finally:
-        ctx.destroy(linger=0)
 
 
 def warm_up(args: argparse.Namespace) -> None:
@@ -1285,8 +1249,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.l1_gib:
         print(l1_gib(args))
         return 0
-    if args.wait_ready:
-        return wait_ready(args.url, args.pid, args.wait_ready)
     if not args.cpu_dry_run:
         reason = no_gpu_reason()
         if reason is not None:

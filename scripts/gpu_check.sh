@@ -17,7 +17,7 @@
 # * gives every step a time limit inside one budget (GPU_CHECK_BUDGET, default 540 s,
 #   under the device's 600 s per call), skipping what no longer fits;
 # * stops every server it started, whatever happened;
-# * knows a server is ready by asking it (gpu_check.py --wait-ready), not by its log;
+# * knows a server is ready by asking it (scripts/wait_ready.py), not by its log;
 # * sizes each server's L1 for what the run stores (gpu_check.py --l1-gib);
 # * keeps $OUT to at most 8 files (what the device tool brings back): summary.txt,
 #   summary.json, run.log (every step's output), servers.log (every server's output,
@@ -364,8 +364,8 @@ for rel in "${releases[@]}"; do
   echo "${server_pid[$rel]}" >"$work/server-$rel.pid"
   current="server $rel"
   write_summary
-  PYTHONPATH=$path "$rpy" scripts/gpu_check.py --url "tcp://127.0.0.1:$port" \
-    --wait-ready "$t" --pid "${server_pid[$rel]}" >>"$OUT/run.log" 2>&1
+  PYTHONPATH=$path "$rpy" scripts/wait_ready.py "tcp://127.0.0.1:$port" "${server_pid[$rel]}" \
+    "$t" >>"$OUT/run.log" 2>&1
   wrc=$?
   current=""
   if ((wrc != 0)); then

@@ -61,32 +61,11 @@ install_locked() {
   "$venv/bin/python" -c "import torch, lmcache; print('oracle', lmcache.__file__, 'torch', torch.__version__)" >&2
 }
 
-# Sends GET_CHUNK_SIZE (21 in every release: ids 1-24 are frozen since 0.5.3) with raw
-# pyzmq + msgspec from the oracle venv, every 0.5 s, from one process (a python a try
-# cost ~2.5 CPU-s a start); exit 0 when answered, 3 if PID ended, 1 after 120 s.
+# Asks the server (scripts/wait_ready.py: GET_CHUNK_SIZE every 0.5 s, from one process
+# of the oracle venv; a python a try cost ~2.5 CPU-s a start); exit 0 when answered, 3 if
+# PID ended, 1 after 120 s.
 wait_ready() {  # PID
-  "$venv/bin/python" - "tcp://127.0.0.1:$port" "$1" <<'PY'
-import os, sys, time, msgspec, zmq
-url, pid = sys.argv[1], int(sys.argv[2])
-ctx = zmq.Context()
-deadline = time.monotonic() + 120
-def alive():
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-while time.monotonic() < deadline:
-    if not alive():
-        sys.exit(3)
-    s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(url)
-    s.send_multipart([msgspec.msgpack.encode(0), msgspec.msgpack.encode(21)])
-    ok = s.poll(500)
-    s.close()
-    if ok:
-        sys.exit(0)
-sys.exit(1)
-PY
+  "$venv/bin/python" "$repo/scripts/wait_ready.py" "tcp://127.0.0.1:$port" "$1" 120
 }
 
 runs_server() {  # pid still runs, and is an LMCache server on this port (not a recycled pid)

@@ -112,24 +112,18 @@ def block_views(g: KVGeometry, layers: Sequence[Any], unit: int) -> list[list[An
     row]`` (token-major inside a block, whatever the layout), ``row`` in ``unit``-byte
     integers, over the flat integer tensors ``layers``."""
     row = g.head_dim * g.itemsize // unit
-    h, bs, nb = g.num_heads, g.block_size, g.num_blocks
-    if g.mla:
-        h = 1
-    head_elems = g.head_dim * g.itemsize // unit  # == row
-    block = bs * h * head_elems                    # one plane's block, in units
-    step = g.block_step * g.itemsize // unit       # fused / MLA: block to block
-    if g.mla or g.fused:
-        planes = 1
-        strides = ((step, h * row, row, 1) if g.layout == "NHD" or h == 1
-                   else (step, row, bs * row, 1))
-        offsets = [0]
-    else:
-        planes = 2
-        strides = ((block, h * row, row, 1) if g.layout == "NHD"
-                   else (block, row, bs * row, 1))
-        offsets = [0, nb * block]
-    size = (nb, bs, h, row)
-    return [[t.as_strided(size, strides, off) for t in layers] for off in offsets[:planes]]
+    h = 1 if g.mla else g.num_heads
+    bs, nb = g.block_size, g.num_blocks
+    # (token, head) strides inside a block: NHD [block_size, heads, row], HND (and
+    # MLA's one head) [heads, block_size, row].
+    inner = (h * row, row) if g.layout == "NHD" else (row, bs * row)
+    if g.mla or g.fused:  # one plane; blocks block_step apart (blocks-first: further)
+        step, offsets = g.block_step * g.itemsize // unit, [0]
+    else:  # [2, num_blocks, ...]: the V plane after the K plane's blocks
+        step = bs * h * row
+        offsets = [0, nb * step]
+    return [[t.as_strided((nb, bs, h, row), (step, *inner, 1), off) for t in layers]
+            for off in offsets]
 
 
 class GatherCopier:
@@ -205,8 +199,14 @@ class GatherCopier:
             yield
             return
         torch = self._torch
-        ext = torch.cuda.ExternalStream(stream, device=torch.device("cuda", self._device))
-        with torch.cuda.device(self._device), torch.cuda.stream(ext):
+        dev = torch.device("cuda", self._device)
+        # Usually torch's current stream (what stream=None resolves to); a handle of
+        # the caller's own is wrapped. 0 is the legacy default stream, torch's default.
+        current = torch.cuda.current_stream(dev)
+        on = (current if current.cuda_stream == stream else
+              torch.cuda.default_stream(dev) if stream == 0 else
+              torch.cuda.ExternalStream(stream, device=dev))
+        with torch.cuda.device(self._device), torch.cuda.stream(on):
             yield
 
     def _stream_order(self, stream: int) -> None:

@@ -292,15 +292,11 @@ def pinned_pools() -> dict[int, int | None]:
 
 
 # ------------------------------------------------- the engine-driven seam
-class _UsePlan(Exception):
-    """This transfer goes by the copy plan (no gather path, or repeated block ids)."""
+_staging_warned: list[str] = []  # the first StagingUnavailable, said once
 
 
-_staging_warned: list[str] = []
-
-
-def _warn_staging(exc: Exception) -> None:
-    if isinstance(exc, StagingUnavailable) and not _staging_warned:
+def _warn_staging(exc: StagingUnavailable) -> None:
+    if not _staging_warned:
         _staging_warned.append(str(exc))
         log.warning("lmcache_mp: engine-driven GPU copies fall back to the copy plan "
                     "(slower): %s", exc)
@@ -327,10 +323,11 @@ def _copy(cache: ExportableKVCache, stream: Any, pool_view: np.ndarray,
     with on_device(drv, cuda.device):
         _ensure_pinned(drv, cuda.device, pool_view)
         try:
-            if copier is None or not gather(copier, handle):
-                raise _UsePlan
-        except (_UsePlan, StagingUnavailable) as exc:
+            moved = copier is not None and gather(copier, handle)
+        except StagingUnavailable as exc:  # raised before anything was queued
             _warn_staging(exc)
+            moved = False
+        if not moved:
             run_plan(drv, plan(cuda), handle)
         drv.stream_synchronize(handle)
 
