@@ -18,7 +18,10 @@ The spec (every key but ``model`` and the prompts optional):
   ``"salt"`` (the request's ``cache_salt``) as ``{"ids": [...], "salt": ...}`` /
   ``{"seed": ..., "len": ..., "salt": ...}``. A round may add ``"before": [argv, ...]``
   (commands run before it: stop / start a server), ``"sleep_before"`` /
-  ``"sleep_after"`` (seconds), ``"reset_prefix_cache": true`` (vLLM's own), and
+  ``"sleep_after"`` (seconds), ``"wait_usable": S`` (then wait up to S seconds until
+  every rank's connector is registered and its server healthy; the round reports
+  ``usable_after_s``, None if it never was), ``"reset_prefix_cache": true`` (vLLM's
+  own), and
   ``"abort": {"index": I}``: the round's requests go
   through ``LLMEngine.add_request`` / ``step`` (an in-process engine only) and request
   ``I`` is aborted in the first step after it is waiting for its KV load
@@ -245,6 +248,29 @@ class _RssPeak:
         return round(n / 2**20, 1)
 
 
+def _worker_usable(worker: Any) -> bool:
+    """Runs in each worker (collective_rpc): whether our connector would move KV now
+    (registered, its server answering heartbeats)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    side = getattr(get_kv_transfer_group(), "worker", None) if has_kv_transfer_group() \
+        else None
+    return side is not None and side.reg is not None and bool(side.client.healthy)
+
+
+def _wait_usable(llm: Any, seconds: float) -> float | None:
+    """Seconds until every rank's connector was usable, or None after ``seconds``: a
+    round after a server (re)start waits for that, not for a fixed time that a busy
+    machine may not meet."""
+    t0 = time.monotonic()
+    while True:
+        if all(llm.collective_rpc(_worker_usable, timeout=30)):
+            return round(time.monotonic() - t0, 2)
+        if time.monotonic() - t0 > seconds:
+            return None
+        time.sleep(0.2)
+
+
 def _worker_stats(worker: Any) -> Any:
     """Runs in each worker (collective_rpc): the connector's worker-side counters."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -257,6 +283,10 @@ def _worker_stats(worker: Any) -> Any:
     if side is not None and isinstance(getattr(side, "stats", None), dict):
         from lmcache_mp.integrations.vllm.amx import amx_state
 
+        # A STORE is counted when its reply is reaped, which for the last request of a
+        # round may not have happened yet: wait for them, so the counters say what was
+        # stored (CI once read "stored 1" of 2 on a busy machine).
+        side.flush_stores()
         out["stats"] = dict(side.stats)
         out["registered"] = side.reg is not None
         out["pid"] = os.getpid()
@@ -369,6 +399,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 subprocess.run(argv, check=True, capture_output=True)
             if rnd.get("sleep_before"):
                 time.sleep(float(rnd["sleep_before"]))
+            usable_after = (_wait_usable(llm, float(rnd["wait_usable"]))
+                            if rnd.get("wait_usable") else None)
             if rnd.get("reset_prefix_cache"):
                 llm.reset_prefix_cache()
             prompts = [tokens_prompt(p, vocab) for p in rnd["prompts"]]
@@ -381,6 +413,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 done = {"outputs": [_output(o) for o in outs]}
             done["generate_s"] = round(time.monotonic() - t0, 3)
+            if rnd.get("wait_usable"):
+                done["usable_after_s"] = usable_after
+                # The counters after this round too: a failure says which round missed.
+                done["worker_stats"] = llm.collective_rpc(_worker_stats, timeout=30)
             done["rss_mib"] = rss.mib(rss.sample())
             result["rounds"].append(done)
             if rnd.get("sleep_after"):
