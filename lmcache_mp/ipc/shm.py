@@ -10,6 +10,13 @@ at first touch.
 A process killed with SIGKILL never unlinks its segments. Their names carry the
 creator's pid and pid namespace, so :func:`sweep_dead_segments` (run whenever a cache is
 allocated, and by ``lmcache-mp clean``) can remove those whose creator is gone.
+
+A *sweep scope* (``LMCACHE_MP_SHM_SCOPE``, a short lowercase word; default none) puts a
+process's segments in a namespace of their own: ``lmcache_mp_<scope>.<pid>_...``. A
+sweep removes only the segments of its own scope, so processes of different scopes
+never sweep each other's, like processes of different pid namespaces. Tests that leave
+dead processes' segments on purpose (and assert on them) run in a scope of their own;
+operators may use one per tenant.
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ from dataclasses import dataclass
 
 from ..errors import InvalidArgument, LMCacheMPError
 
-__all__ = ["SHM_DIR", "NAME_PREFIX", "ShmSegment", "map_existing", "shm_path",
-           "shm_free_bytes", "sweep_dead_segments", "Swept", "PageMapper"]
+__all__ = ["SHM_DIR", "NAME_PREFIX", "SCOPE_ENV", "ShmSegment", "map_existing", "shm_path",
+           "shm_free_bytes", "sweep_dead_segments", "sweep_scope", "Swept", "PageMapper"]
 
 log = logging.getLogger("lmcache_mp")
 
@@ -35,6 +42,19 @@ SHM_DIR = "/dev/shm"
 NAME_PREFIX = "lmcache_mp_"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 _counter = itertools.count()
+#: The environment variable naming this process's sweep scope (see the module's text).
+SCOPE_ENV = "LMCACHE_MP_SHM_SCOPE"
+_SCOPE_RE = re.compile(r"^[a-z][a-z0-9]{0,31}$")
+
+
+def sweep_scope() -> str:
+    """This process's sweep scope ("" for none), read from ``LMCACHE_MP_SHM_SCOPE`` at
+    each call (a test may set it for its children and itself)."""
+    scope = os.environ.get(SCOPE_ENV, "")
+    if scope and not _SCOPE_RE.match(scope):
+        raise InvalidArgument(f"{SCOPE_ENV}={scope!r}: a sweep scope is 1-32 lowercase ASCII "
+                              f"letters and digits, starting with a letter")
+    return scope
 
 
 def shm_path(name: str) -> str:
@@ -75,8 +95,9 @@ class ShmSegment:
         # pid + counter make names unique per process; the random part guards against
         # a stale segment left by a crashed process that had the same pid. The pid
         # namespace says which processes' pids these are (see sweep_dead_segments).
-        name = (f"{NAME_PREFIX}{os.getpid()}_{_pid_namespace()}_{next(_counter)}_{tag}_"
-                f"{os.urandom(4).hex()}")
+        scope = sweep_scope()
+        name = (f"{NAME_PREFIX}{scope + '.' if scope else ''}{os.getpid()}_{_pid_namespace()}_"
+                f"{next(_counter)}_{tag}_{os.urandom(4).hex()}")
         path = shm_path(name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -227,7 +248,8 @@ def _reserve(fd: int, nbytes: int, path: str) -> None:
 
 
 # ------------------------------------------------------------ the sweep
-_OURS = re.compile(r"^" + re.escape(NAME_PREFIX) + r"(\d+)_(\d+)_\d+_[A-Za-z0-9]+_[0-9a-f]{8}$")
+_OURS = re.compile(r"^" + re.escape(NAME_PREFIX)
+                   + r"(?:([a-z][a-z0-9]{0,31})\.)?(\d+)_(\d+)_\d+_[A-Za-z0-9]+_[0-9a-f]{8}$")
 # Process start times come from /proc in clock ticks since boot, and the boot time in
 # whole seconds: a process counts as started after a segment only by this margin.
 _START_MARGIN_S = 2.0
@@ -280,14 +302,15 @@ def _started_at(pid: int, btime: float | None) -> float | None:
 def sweep_dead_segments(*, dry_run: bool = False) -> Swept:
     """Remove (unless ``dry_run``) this package's segments whose creating process is gone.
 
-    Only names this package makes (``lmcache_mp_<pid>_<pidns>_...``), only those owned
-    by this user, only from this process's pid namespace (another namespace's pids say
-    nothing here: containers sharing /dev/shm), never this process's own. A segment
+    Only names this package makes (``lmcache_mp_[<scope>.]<pid>_<pidns>_...``), only
+    those of this process's sweep scope (:func:`sweep_scope`), only those owned by this
+    user, only from this process's pid namespace (another namespace's pids say nothing
+    here: containers sharing /dev/shm), never this process's own. A segment
     whose pid is alive is kept unless that process started after the segment was
     created (the pid was reused). A server that mapped a removed segment keeps its
     mapping: removing the name only frees the memory once nobody maps it.
     """
-    ns = _pid_namespace()
+    ns, scope = _pid_namespace(), sweep_scope()
     if not ns or not os.path.isdir(SHM_DIR):
         return Swept((), 0, 0)
     me, uid, btime = os.getpid(), os.getuid(), _boot_time()
@@ -296,9 +319,9 @@ def sweep_dead_segments(*, dry_run: bool = False) -> Swept:
     starts: dict[int, float | None] = {}
     for name in os.listdir(SHM_DIR):
         m = _OURS.match(name)
-        if m is None or int(m.group(2)) != ns:
+        if m is None or (m.group(1) or "") != scope or int(m.group(3)) != ns:
             continue
-        pid = int(m.group(1))
+        pid = int(m.group(2))
         if pid == me:
             continue
         path = os.path.join(SHM_DIR, name)

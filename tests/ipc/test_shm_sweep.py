@@ -2,6 +2,12 @@
 pids are swept, live processes', other namespaces' and other formats' never; the
 ``clean`` command and ``doctor --clean``. Issue 12, finding 3 (see also
 tests/live/test_leaks.py).
+
+Every test here runs in a sweep scope of its own (``LMCACHE_MP_SHM_SCOPE``, set for
+this process and inherited by its children): ``make test`` runs other pytest jobs
+beside this one, and any of their cache allocations sweeps the dead processes' segments
+of *its* scope. Without the scope, the segments these tests leave on purpose were swept
+by another job before the test could assert on them (issue 37).
 """
 
 from __future__ import annotations
@@ -16,9 +22,16 @@ import pytest
 from lmcache_mp import CpuKVCache
 from lmcache_mp.cli import main as cli_main
 from lmcache_mp.ipc import shm
-from lmcache_mp.ipc.shm import NAME_PREFIX, SHM_DIR, sweep_dead_segments
+from lmcache_mp.ipc.shm import NAME_PREFIX, SCOPE_ENV, SHM_DIR, sweep_dead_segments
 
 from ..support.polling import wait_until
+
+SCOPE = f"sweeptest{os.getpid()}"
+
+
+@pytest.fixture(autouse=True)
+def _own_scope(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SCOPE_ENV, SCOPE)
 
 _CHILD = """
 import sys, time
@@ -65,7 +78,7 @@ def test_a_zombie_and_a_recycled_pid_are_swept_other_namespaces_and_formats_neve
     made: list[str] = []
 
     def segment(pid: int, ns_id: int, mtime: float | None = None, tag: str = "kv") -> str:
-        name = f"{NAME_PREFIX}{pid}_{ns_id}_0_{tag}_{os.urandom(4).hex()}"
+        name = f"{NAME_PREFIX}{SCOPE}.{pid}_{ns_id}_0_{tag}_{os.urandom(4).hex()}"
         path = os.path.join(SHM_DIR, name)
         with open(path, "wb") as f:
             f.write(b"x")
@@ -127,3 +140,37 @@ def test_the_clean_command_and_doctor_clean(capsys: pytest.CaptureFixture[str]) 
     assert not any(_ours(n) for n in names)
     out = capsys.readouterr().out
     assert all(f"removed {SHM_DIR}/{n}" in out for n in names)
+
+
+def test_a_sweep_never_touches_another_scopes_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dead processes' segments of another scope (and of none) are kept; each scope's
+    own sweep removes its own."""
+    dead_here = _dead_children(1)
+    monkeypatch.setenv(SCOPE_ENV, "othertenant")
+    dead_other = _dead_children(1)
+    assert all(n.startswith(f"{NAME_PREFIX}othertenant.") for n in dead_other)
+    monkeypatch.delenv(SCOPE_ENV)
+    dead_unscoped = _dead_children(1)
+    try:
+        assert not any(n.startswith(f"{NAME_PREFIX}{SCOPE}") for n in dead_unscoped)
+        swept = sweep_dead_segments()  # no scope: only unscoped names (another job's
+        # allocation, of no scope, may have swept these first: asserted gone, not removed here)
+        assert not any(map(_ours, dead_unscoped))
+        assert not set(swept.removed) & set(dead_here + dead_other)
+        assert all(map(_ours, dead_here + dead_other))
+        monkeypatch.setenv(SCOPE_ENV, SCOPE)
+        with CpuKVCache.allocate(num_layers=1, num_blocks=4, block_size=16, num_heads=1,
+                                 head_dim=8):
+            assert not any(map(_ours, dead_here))  # swept by this scope's allocation
+            assert all(map(_ours, dead_other))
+    finally:
+        monkeypatch.setenv(SCOPE_ENV, "othertenant")
+        sweep_dead_segments()
+        monkeypatch.setenv(SCOPE_ENV, SCOPE)
+    assert not any(map(_ours, dead_other))
+
+
+def test_a_malformed_scope_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(SCOPE_ENV, "Bad-Scope")
+    with pytest.raises(shm.InvalidArgument, match="LMCACHE_MP_SHM_SCOPE"):
+        sweep_dead_segments()
