@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from lmcache_mp import Client, CpuKVCache, Registration
-from lmcache_mp.ipc.shm import SHM_DIR
+from lmcache_mp.ipc.shm import SCOPE_ENV, SHM_DIR
 
 from ..conftest import SERVER_VERSION, LiveServer, start_server
 from ..support.live_helpers import both_modes_args, lookup_all, our_segments
@@ -189,7 +189,12 @@ time.sleep(120)
 
 
 def test_a_sigkilled_registered_client_leaves_nothing_after_the_next_ones_sweep(
-        server: LiveServer) -> None:
+        server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sweep scope of this test's own (the child inherits it): another pytest job's
+    # allocation would otherwise sweep the killed child's segments before they are
+    # asserted on (issue 37).
+    scope = f"leaks{os.getpid()}"
+    monkeypatch.setenv(SCOPE_ENV, scope)
     child = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, server.url],
                              stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
@@ -208,4 +213,4 @@ def test_a_sigkilled_registered_client_leaves_nothing_after_the_next_ones_sweep(
         reg = c.register(kv, model_name="leaks", mode="lmcache")
         cycle_requests(reg, 4242)
         reg.unregister()
-    assert not any(n.startswith(f"lmcache_mp_{child.pid}_") for n in os.listdir(SHM_DIR))
+    assert not any(n.startswith(f"lmcache_mp_{scope}.{child.pid}_") for n in os.listdir(SHM_DIR))
