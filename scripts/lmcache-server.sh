@@ -47,17 +47,29 @@ install() {
   ) 9>"$oracle_dir/.install-$version.lock"
 }
 
+# Packages LMCache does not require but the multi-node tests use (tests/multinode): its
+# `valkey` L2 adapter imports valkey-glide's sync client (0.5.6, 0.5.7rc2 are tested).
+oracle_extras() {
+  case $version in 0.5.6|0.5.7rc2) echo "valkey-glide-sync==2.5.3" ;; esac
+}
+
 install_locked() {
-  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('lmcache') != '$version')" 2>/dev/null; then
-    return 0
-  fi
+  local extras; extras=$(oracle_extras)
+  # One python: 0 installed, 2 the extras missing, else (no venv, another lmcache) anew.
+  local rc=0
+  [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.metadata as m, importlib.util as u, sys; sys.exit(1 if m.version('lmcache') != '$version' else 2 if '$extras' and not u.find_spec('glide_sync') else 0)" 2>/dev/null || rc=$?
+  [ -x "$venv/bin/python" ] || rc=1
+  case $rc in
+    0) return 0 ;;
+    2) uv_install "$venv" $extras; return 0 ;;  # a venv made before the extras were added
+  esac
   echo "lmcache-server.sh: installing the oracle venv $venv (lmcache==$version, uv)" >&2
   # torch: the local CPU build, linked from uv's cache (scripts/uv.sh).
   uv_venv "$venv"
   # An exact pin (lmcache==0.5.7rc2) selects a pre-release of lmcache alone; allowing
   # pre-releases generally would also take them for its dependencies, and httpx 1.0.dev
   # breaks lmcache's import (no httpx.AsyncClient), so httpx is held below 1 as well.
-  uv_install "$venv" "lmcache==$version" "httpx<1"
+  uv_install "$venv" "lmcache==$version" "httpx<1" $extras
   "$venv/bin/python" -c "import torch, lmcache; print('oracle', lmcache.__file__, 'torch', torch.__version__)" >&2
 }
 

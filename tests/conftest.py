@@ -90,7 +90,7 @@ class LiveServer:
     def start_again(self) -> float:
         """Start a new server on the same port with the same arguments; returns the
         ``time.monotonic()`` at which it answered its first request."""
-        _run_start(self.port, self.args)
+        _run_start(self.port, self.args, self.version)
         return time.monotonic()
 
 
@@ -115,16 +115,16 @@ def oracle_python(version: str = SERVER_VERSION) -> Path:
     pytest.skip(why)
 
 
-def start_server(*extra: str) -> LiveServer:
+def start_server(*extra: str, version: str = SERVER_VERSION) -> LiveServer:
     if os.environ.get("LMCACHE_MP_SKIP_LIVE") == "1":
         pytest.skip("LMCACHE_MP_SKIP_LIVE=1: live tests against a real LMCache server skipped")
     port = free_port()
-    _run_start(port, extra)
-    return LiveServer(port, SERVER_VERSION, tuple(extra))
+    _run_start(port, extra, version)
+    return LiveServer(port, version, tuple(extra))
 
 
-def _run_start(port: int, extra: tuple[str, ...]) -> None:
-    cmd = [str(SERVER_SCRIPT), "start", "--version", SERVER_VERSION, "--port", str(port)]
+def _run_start(port: int, extra: tuple[str, ...], version: str = SERVER_VERSION) -> None:
+    cmd = [str(SERVER_SCRIPT), "start", "--version", version, "--port", str(port)]
     if extra:
         cmd += ["--", *extra]
     use_server_fork(SERVER_SCRIPT, SERVER_VERSION)
