@@ -7,7 +7,7 @@ For each release it starts a server from the oracle venv (scripts/lmcache-server
 the live tests do), asks the probe's questions (tests/support/probe_replay.py:record) and writes
 the reply frames, as the server encoded them, to fixtures/v<release>/probe.json. 0.5.6
 is recorded twice: as the script starts it (observability off) and with its event bus
-on, when GET_EXPERIMENTAL also lists "kv_event_stream". 0.5.6 and later are also asked
+on, when GET_EXPERIMENTAL also lists "kv_event_stream". 0.5.5 and later are also asked
 the questions detection sends only to them (FREE_LOOKUP_LOCKS of an empty range in the
 0.5.6 and the 0.5.7 form). tests/protocol/test_detect.py replays
 these answers offline; a live test checks each release still answers the same.
@@ -38,7 +38,8 @@ QUIET = {"LMCACHE_DISABLE_BANNER": "1", "LMCACHE_TRACK_USAGE": "false", "DO_NOT_
 
 
 def newer(version: str) -> bool:
-    return version not in ("0.5.3", "0.5.4", "0.5.5")
+    """Asked the FREE_LOOKUP_LOCKS questions (0.5.5 and later)."""
+    return version not in ("0.5.3", "0.5.4")
 
 
 def with_script(version: str) -> dict[str, object]:

@@ -31,8 +31,14 @@ _ALLOW_REMOTE = ("allow a non-loopback tcp:// host (REGISTER sends pickles over 
                  "ZMQ with no authentication: trusted networks only)")
 
 
+_PROTOCOL = ("the server's wire family: auto (probe it: leaves an ERROR line or two in the "
+             "server's log on some releases) or 0.5.3 (also 0.5.4) / 0.5.5 / 0.5.6 / 0.5.7 "
+             "(`lmcache-mp info URL` prints it)")
+
+
 def _cmd_ping(args: argparse.Namespace) -> int:
-    with Client(args.url, timeout=args.timeout, allow_remote=args.allow_remote) as client:
+    with Client(args.url, timeout=args.timeout, protocol=args.protocol,
+                allow_remote=args.allow_remote) as client:
         start = time.perf_counter()
         client.ping()  # includes connecting
         first = time.perf_counter()
@@ -72,7 +78,21 @@ def _cmd_info(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if detection is not None:
+        print(naming_advice(args.url, client.server_protocol))
     return 0
+
+
+def naming_advice(url: str, family: str) -> str:
+    """How to name ``family`` in each entry point, so that no process probes the
+    server (each probe leaves ERROR lines in its log on some releases)."""
+    return (
+        f"\nEvery process that connects with protocol=auto probes the server again (on some\n"
+        f"releases each probe leaves ERROR lines with tracebacks in its log). To skip the\n"
+        f"probe, name the family:\n"
+        f"  Python  Client({url!r}, protocol={family!r})\n"
+        f"  vLLM    \"kv_connector_extra_config\": {{\"lmcache.mp.protocol\": \"{family}\", ...}}\n"
+        f"  CLI     lmcache-mp info {url} --protocol {family}")
 
 
 def _read_tokens(args: argparse.Namespace) -> list[int]:
@@ -92,7 +112,8 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     tokens = _read_tokens(args)
     chunk = args.chunk_size
     if args.url:
-        with Client(args.url, timeout=args.timeout, allow_remote=args.allow_remote) as client:
+        with Client(args.url, timeout=args.timeout, protocol=args.protocol,
+                    allow_remote=args.allow_remote) as client:
             chunk = client.chunk_size()
     # Validate exactly as a request would be (salt, model name, token range).
     key = CacheKey(model_name=args.model, world_size=args.world_size, worker_id=args.worker_id,
@@ -149,14 +170,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ping", help="is the server answering?")
     p.add_argument("url")
+    p.add_argument("--protocol", default="auto", help=_PROTOCOL)
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--allow-remote", action="store_true", help=_ALLOW_REMOTE)
     p.set_defaults(func=_cmd_ping)
 
     p = sub.add_parser("info", help="chunk size, protocol, round-trip time")
     p.add_argument("url")
-    p.add_argument("--protocol", default="auto",
-                   help="auto (probe) or a family: 0.5.3 (also 0.5.4) / 0.5.5 / 0.5.6 / 0.5.7")
+    p.add_argument("--protocol", default="auto", help=_PROTOCOL)
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--allow-remote", action="store_true", help=_ALLOW_REMOTE)
@@ -170,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--salt", default="")
     p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     p.add_argument("--url", help="ask this server for its chunk size")
+    p.add_argument("--protocol", default="auto", help=_PROTOCOL)
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--allow-remote", action="store_true", help=_ALLOW_REMOTE)
     src = p.add_mutually_exclusive_group(required=True)

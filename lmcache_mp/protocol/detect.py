@@ -4,7 +4,7 @@ Sans-I/O: :func:`detect` decides what to send and how to read the answers; the c
 supplies ``exchange(batch)``, which sends a batch of ``(name, frames)`` requests in order
 on one connection and returns ``{name: reply frames (after the uid) or None}``.
 
-The probe follows lmcache-mp-versions.md section 7, with three refinements:
+The probe follows lmcache-mp-versions.md section 7, with four refinements:
 
 * only integer op ids <= 32 (valid on every release from 0.4.7), every message at least
   ``[uid, op]``, and never ids 16, 17 or 20 with an empty payload (CLEAR somewhere);
@@ -16,11 +16,18 @@ The probe follows lmcache-mp-versions.md section 7, with three refinements:
   are fenced by a PING on the same pool, plus a short grace for multi-worker pools;
 * **a positive fingerprint past 0.5.5.** The document's step 3 ("kv_event_stream" ->
   0.5.6+) no longer names a release: 0.5.7rc2 dropped that tag, and a later release may
-  keep or add it. So a server that looks like 0.5.6 or later is asked which cache key
-  it accepts (FREE_LOOKUP_LOCKS of an empty range: a no-op in both releases, decoded on
-  the message thread, so a wrong form is dropped before the fence). It must accept
-  exactly one of our forms; a server accepting neither is a release this client does
-  not know, refused with ProtocolMismatch before any data-plane request is sent.
+  keep or add it. So a server is asked which cache key it accepts (FREE_LOOKUP_LOCKS of
+  an empty range: a no-op from 0.5.5 on, decoded on the message thread, so a wrong
+  form is dropped before the fence); a server accepting neither form (nor answering
+  id 11 as 0.5.5) is a release this client does not know, refused with
+  ProtocolMismatch before any data-plane request is sent;
+* **the fewest errors in the server's log.** Every question a release cannot answer
+  leaves an ERROR line (with a traceback) in its log, at every engine start, from
+  every worker. So the questions after GET_EXPERIMENTAL are asked one at a time, each
+  only if the one before did not identify the server, in the order that costs the
+  newest releases nothing: 0.5.7 and an event-bus 0.5.6 (its default) log no error,
+  0.5.5 one, 0.5.6 without its event bus two, 0.5.3 / 0.5.4 the one unanswered id 32
+  (two lines). Naming the family (``protocol="0.5.7"``) sends no probe at all.
 """
 
 from __future__ import annotations
@@ -49,9 +56,10 @@ _enc = msgspec.msgpack.encode
 #   32 GET_EXPERIMENTAL from 0.5.5 (an unregistered blend op in 0.5.3/0.5.4)
 #   11 QUERY_PREFETCH_LOOKUP_HITS up to 0.5.5 (retired in 0.5.6)
 #   22 PING from 0.5.3 (NORMAL pool, like id 11)
-#   12 FREE_LOOKUP_LOCKS, only once a server is known to be 0.5.6 or later: of an empty
-#      token range, which both 0.5.6 and 0.5.7 return from before touching any state
-#      (modules/lookup.py: ``if key.start >= key.end: return``)
+#   12 FREE_LOOKUP_LOCKS, only once a server is known to be 0.5.5 or later: of an empty
+#      token range, which 0.5.5, 0.5.6 and 0.5.7 return from before touching any state
+#      (modules/lookup.py: ``if key.start >= key.end: return``); the wrong form's payload
+#      count is refused before decoding (mq.py: unwrap_request_payloads)
 
 #: What the client speaks, for messages.
 SPOKEN = "0.5.3, 0.5.4, 0.5.5, 0.5.6 and 0.5.7 (0.5.7rc2)"
@@ -115,24 +123,42 @@ def detect(exchange: Exchange, url: str, timeout: float = 2.0, grace: float = 0.
         return Detection("0.5.3", "0.5.3/0.5.4", tuple(evidence))
     if not isinstance(v32, list):
         raise ProtocolMismatch(f"unexpected reply to id 32 from {url}: {v32!r}")
-    if "kv_event_stream" in v32:  # 0.5.6 with its event bus; 0.5.7 dropped the tag
-        return _newer_than_055(exchange, url, timeout, grace, evidence)
-    second = exchange(
-        [("id11", [_enc(11), _enc(f"lmcache-mp-probe-{os.urandom(6).hex()}")]),
-         ("ping", [_enc(22), _enc(None)])],
-        "ping", timeout,
-    )
-    if second.get("ping") is None:
-        raise RequestTimeout(f"the server at {url} stopped answering during detection (PING)")
-    v11 = _value(second.get("id11"))
-    if v11 is None and grace > 0:
-        v11 = _value(exchange([], "id11", grace).get("id11"))
+    if "kv_event_stream" in v32:
+        # 0.5.6 with its event bus on (its default; 0.5.7 dropped the tag): its own key
+        # form first, so that the usual 0.5.6 server logs no error at all.
+        return _key_forms(exchange, url, timeout, grace, evidence, ("0.5.6", "0.5.7"))
+    # 0.5.5, 0.5.6 with its event bus off, or 0.5.7. Asked in the order that leaves the
+    # fewest errors in the server's log (each question a release cannot answer is one
+    # ERROR there): the 0.5.7 key form first (the newest release: none), then id 11
+    # (0.5.5 answers it: one, the 0.5.7 form it dropped), then the 0.5.6 form (0.5.6
+    # without its event bus: two). FREE_LOOKUP_LOCKS of an empty range is harmless on
+    # 0.5.5 too: it returns before touching state, as 0.5.6 and 0.5.7 do, and a form
+    # with the wrong payload count is dropped before any handler runs.
+    if _accepts_key_form(exchange, url, timeout, grace, evidence, "0.5.7"):
+        return Detection("0.5.7", "0.5.7", tuple(evidence))
+    v11 = _value(_ask(exchange, url, timeout, grace, "id11",
+                      [_enc(11), _enc(f"lmcache-mp-probe-{os.urandom(6).hex()}")]))
     evidence.append(f"id 11 -> {v11!r}")
-    if v11 is None:
-        return _newer_than_055(exchange, url, timeout, grace, evidence)
-    if isinstance(v11, int):
+    if isinstance(v11, int) and not isinstance(v11, bool):
         return Detection("0.5.5", "0.5.5", tuple(evidence))
-    raise ProtocolMismatch(f"unexpected reply to id 11 from {url}: {v11!r}")
+    if v11 is not None:
+        raise ProtocolMismatch(f"unexpected reply to id 11 from {url}: {v11!r}")
+    return _key_forms(exchange, url, timeout, grace, evidence, ("0.5.6",))
+
+
+def _ask(exchange: Exchange, url: str, timeout: float, grace: float, name: str,
+         frames: list[bytes]) -> list[bytes] | None:
+    """One pool-run question fenced by a PING on the same pool: its reply frames, or
+    None if the server dropped it. A reply may still come after the fence from another
+    worker of a multi-worker pool: waited for ``grace`` more seconds."""
+    replies = exchange([(name, frames), (f"{name}-ping", [_enc(22), _enc(None)])],
+                       f"{name}-ping", timeout)
+    if replies.get(f"{name}-ping") is None:
+        raise RequestTimeout(f"the server at {url} stopped answering during detection (PING)")
+    reply = replies.get(name)
+    if reply is None and grace > 0:
+        reply = exchange([], name, grace).get(name)
+    return reply
 
 
 def _free_locks_probe(form: str) -> list[bytes]:
@@ -147,28 +173,22 @@ def _free_locks_probe(form: str) -> list[bytes]:
     return [_enc(12), _enc(CacheKeyV057(token_bytes=b"", **common)), _enc(1), _enc(())]
 
 
-def _newer_than_055(exchange: Exchange, url: str, timeout: float, grace: float,
-                    evidence: list[str]) -> Detection:
-    """Tell 0.5.6 from 0.5.7 by which key form the server accepts, and refuse a server
-    that accepts neither (a newer release) before anything else is sent to it."""
-    replies = exchange(
-        [("free056", _free_locks_probe("0.5.6")), ("free057", _free_locks_probe("0.5.7")),
-         ("ping2", [_enc(22), _enc(None)])],
-        "ping2", timeout,
-    )
-    if replies.get("ping2") is None:
-        raise RequestTimeout(f"the server at {url} stopped answering during detection (PING)")
-    if replies.get("free056") is None and replies.get("free057") is None and grace > 0:
-        # Both were decoded (or dropped) before the PING; an accepted one may still be
-        # running on another worker of the same pool.
-        replies = exchange([], "free057", grace)
-    a56, a57 = replies.get("free056") is not None, replies.get("free057") is not None
-    evidence.append(f"FREE_LOOKUP_LOCKS 0.5.6 form -> {'ack' if a56 else None}")
-    evidence.append(f"FREE_LOOKUP_LOCKS 0.5.7 form -> {'ack' if a57 else None}")
-    if a57 and not a56:
-        return Detection("0.5.7", "0.5.7", tuple(evidence))
-    if a56 and not a57:
-        return Detection("0.5.6", "0.5.6", tuple(evidence))
+def _accepts_key_form(exchange: Exchange, url: str, timeout: float, grace: float,
+                      evidence: list[str], form: str) -> bool:
+    acked = _ask(exchange, url, timeout, grace, f"free{form.replace('.', '')}",
+                 _free_locks_probe(form)) is not None
+    evidence.append(f"FREE_LOOKUP_LOCKS {form} form -> {'ack' if acked else None}")
+    return acked
+
+
+def _key_forms(exchange: Exchange, url: str, timeout: float, grace: float,
+               evidence: list[str], forms: tuple[str, ...]) -> Detection:
+    """The first of ``forms`` whose key the server accepts (each asked only if the one
+    before was dropped); a server that accepts none (a newer release) is refused
+    before anything else is sent to it."""
+    for form in forms:
+        if _accepts_key_form(exchange, url, timeout, grace, evidence, form):
+            return Detection(form, form, tuple(evidence))
     raise ProtocolMismatch(
         f"the LMCache server at {url} answers like none of the releases this client speaks "
         f"({SPOKEN}): {'; '.join(evidence)}. It is likely a newer LMCache release whose "

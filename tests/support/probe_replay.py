@@ -27,8 +27,8 @@ QUESTIONS: dict[str, tuple[int, str | None]] = {
     "get_experimental": (32, None),
     "query_lookup_hits": (11, "rid"),
     "ping": (22, "nil"),
-    # Asked of 0.5.6 and later only: FREE_LOOKUP_LOCKS of an empty token range (both
-    # releases return before touching state), with each release's key and payloads.
+    # Asked of 0.5.5 and later only: FREE_LOOKUP_LOCKS of an empty token range (every
+    # such release returns before touching state), with each release's key and payloads.
     "free_locks_056": (12, "key056"),
     "free_locks_057": (12, "key057"),
 }

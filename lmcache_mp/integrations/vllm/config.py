@@ -16,8 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import InvalidArgument
+from ...errors import InvalidArgument, ProtocolMismatch
 from ...keys import SALT_FORBIDDEN_CHARS, SALT_MAX_LEN
+from ...protocol import PROFILES, get_profile
 
 __all__ = ["ConnectorConfig", "RankPlacement", "placement", "salt_usable", "SAME_AS_OURS",
            "REFUSED"]
@@ -73,6 +74,10 @@ class ConnectorConfig:
     lookup_wait: float = 0.005
     #: Seconds between the scheduler's health probes of each server.
     health_interval: float = 2.0
+    #: The servers' wire family ("auto": probed by each process that connects, which
+    #: leaves a few ERROR lines in the server's log on some releases; "0.5.3", "0.5.5",
+    #: "0.5.6" or "0.5.7": no probe). ``lmcache-mp info URL`` prints the value to set.
+    protocol: str = "auto"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, *,
@@ -83,7 +88,7 @@ class ConnectorConfig:
                if isinstance(k, str) and k.startswith(PREFIX)}
         known = {"server_urls", "host", "port", "mq_timeout", "heartbeat_interval",
                  "mp_transfer_mode", "save_decode_cache", "transfer_timeout",
-                 "lookup_timeout", "lookup_wait", "health_interval"}
+                 "lookup_timeout", "lookup_wait", "health_interval", "protocol"}
         for k in sorted(raw):
             refused = next((why for p, why in REFUSED.items() if k.startswith(p)), None)
             if refused is not None:
@@ -108,7 +113,16 @@ class ConnectorConfig:
         if mode not in _MODES:
             raise InvalidArgument(f"{PREFIX}mp_transfer_mode must be one of {sorted(_MODES)}, "
                                   f"got {mode!r}")
+        protocol = str(raw.get("protocol", "auto"))
+        if protocol != "auto":
+            try:
+                get_profile(protocol)
+            except ProtocolMismatch:
+                raise InvalidArgument(
+                    f"{PREFIX}protocol must be 'auto' or one of {sorted(PROFILES)} (the "
+                    f"family `lmcache-mp info URL` prints), got {protocol!r}") from None
         return cls(
+            protocol=protocol,
             server_urls=urls,
             mq_timeout=_seconds(raw, "mq_timeout", cls.mq_timeout),
             heartbeat_interval=_seconds(raw, "heartbeat_interval", cls.heartbeat_interval),

@@ -75,7 +75,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cfg = self.cfg
 
         def client(url: str) -> Client:
-            return Client(url, timeout=cfg.mq_timeout, heartbeat_interval=cfg.heartbeat_interval)
+            return Client(url, timeout=cfg.mq_timeout, heartbeat_interval=cfg.heartbeat_interval,
+                          protocol=cfg.protocol)
 
         if role == KVConnectorRole.SCHEDULER:
             clients: dict[str, Any] = {url: client(url) for url in cfg.server_urls}

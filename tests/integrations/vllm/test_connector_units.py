@@ -1280,3 +1280,13 @@ def test_the_amx_request_is_harmless_and_answered_once(monkeypatch: pytest.Monke
     monkeypatch.setattr(amx, "_answer", None)
     monkeypatch.setattr(amx.platform, "machine", lambda: "aarch64")
     assert amx.request_amx_tiles() == "not x86-64 Linux"
+
+
+def test_the_protocol_family_can_be_named_and_a_wrong_name_is_refused() -> None:
+    """lmcache.mp.protocol (issue 37): the family `lmcache-mp info URL` prints, or a
+    release name; each Client the connector makes then sends no probe."""
+    assert ConnectorConfig.from_extra({}).protocol == "auto"
+    assert ConnectorConfig.from_extra({"lmcache.mp.protocol": "0.5.7"}).protocol == "0.5.7"
+    assert ConnectorConfig.from_extra({"lmcache.mp.protocol": "0.5.4"}).protocol == "0.5.4"
+    with pytest.raises(InvalidArgument, match=r"lmcache.mp.protocol must be 'auto' or one of"):
+        ConnectorConfig.from_extra({"lmcache.mp.protocol": "0.6.0"})
