@@ -9,17 +9,22 @@ of a real export is scripts/gpu_check.py's VMM step.
 from __future__ import annotations
 
 import os
+from typing import Any
 
+import numpy as np
 import pytest
 
 from lmcache_mp import InvalidArgument, ProtocolMismatch
-from lmcache_mp.ipc.base import VmmLayerExport
-from lmcache_mp.ipc.cuda import CudaKVCache, export_allocation
+from lmcache_mp.ipc.base import STORAGE_DTYPES, KVGeometry, VmmLayerExport
+from lmcache_mp.ipc.cuda import CudaKVCache, export_allocation, staging
 from lmcache_mp.ipc.cuda.vmm import HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD
+from lmcache_mp.ipc.paged_copy import gather_chunk
 from lmcache_mp.protocol import get_profile
+from lmcache_mp.protocol.types import PoolSlot
 from lmcache_mp.protocol.wrappers import vmm_descriptor
+from lmcache_mp.session.engine_driven import Pool, copy_from_slots, copy_into_slots
 
-from ..support.fake_cuda import FakeDriver
+from ..support.fake_cuda import GRANULE, FakeDriver
 
 GEOM = {"num_blocks": 4, "block_size": 16, "num_heads": 2, "head_dim": 64,
         "dtype": "bfloat16"}
@@ -140,6 +145,121 @@ def test_pool_memory_is_never_taken_for_vmm() -> None:
     with pytest.raises(InvalidArgument, match="stream-ordered memory pool"):
         cache.export_layers()
     assert not any(c[0] == "vmm_retain" for c in drv.calls)
+
+
+# ------------------------------------- views over several chunks (vLLM 0.34, PyTorch)
+#: Two layers of [2, blocks, heads, block_size, head_dim] bf16, 6 MiB each: each
+#: layer three 2 MiB chunks, as vLLM 0.34's extensible cache commits one segment (its
+#: minimum, warm-up and final commits each map a chunk: utils/extensible_tensor.py).
+MULTI = KVGeometry(2, 768, 16, 2, 64, "bfloat16", False)
+#: Blocks in every chunk of both planes, on both sides of each boundary (4 KiB a block
+#: per plane: 2 MiB is block 512 of the K plane; the V plane starts at 3 MiB, inside
+#: the second chunk, and 4 MiB is its block 256).
+SCATTERED = np.array([1, 511, 512, 700, 767, 255, 256, 400], np.int64)
+
+
+def vllm_like(drv: FakeDriver, **kw: Any) -> list[int]:
+    """The layers' pointers in a reservation of 2 MiB chunks mapped side by side (none
+    exportable: vLLM's IN_PROCESS cache requests no handle type)."""
+    n = MULTI.layer_nbytes // GRANULE
+    base = drv.vmm_reservation([GRANULE] * (MULTI.num_layers * n), **kw)
+    return [base + i * MULTI.layer_nbytes for i in range(MULTI.num_layers)]
+
+
+def from_ptrs(drv: FakeDriver, ptrs: list[int]) -> CudaKVCache:
+    g = MULTI
+    return CudaKVCache.from_pointers(ptrs, num_blocks=g.num_blocks, block_size=g.block_size,
+                                     num_heads=g.num_heads, head_dim=g.head_dim,
+                                     dtype=g.dtype, driver=drv)
+
+
+@pytest.mark.parametrize("copy", ["gather", "plan"])
+def test_a_layer_over_several_chunks_moves_bytes_both_ways(
+        copy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer spans three chunks (cuMemGetAddressRange answers one each): the
+    registration walks them (every byte mapped device memory of device 0) and keeps
+    the layers for engine-driven copies, which store and retrieve across the chunks'
+    boundaries byte for byte (against the CPU cache's copies of the same blocks).
+    Before: ``local_allocation`` wanted the layer inside one chunk and re-raised the
+    export's refusal (vLLM 0.34's default cache on a GPU failed at start)."""
+    if copy == "plan":
+        monkeypatch.setenv("LMCACHE_MP_GPU_COPY", "plan")
+    drv = FakeDriver()
+    ptrs = vllm_like(drv)
+    cache = from_ptrs(drv, ptrs)
+    assert not cache.server_mappable and not cache.ipc_exportable
+    assert [(e.base, e.size) for e in cache.exports] == [(p, MULTI.layer_nbytes) for p in ptrs]
+    assert all(drv.address_range(p)[1] == GRANULE for p in ptrs)  # one chunk each
+    with pytest.raises(InvalidArgument, match="requestedHandleTypes has neither"):
+        cache.export_layers()
+    rng = np.random.default_rng(3)
+    dtype = STORAGE_DTYPES[MULTI.dtype][0]
+    layers = []
+    for p in ptrs:
+        raw = drv._memory(p, MULTI.layer_nbytes)
+        raw[:] = rng.integers(0, 256, MULTI.layer_nbytes, dtype=np.uint8)
+        layers.append(raw.view(dtype).reshape(MULTI.layer_shape))
+    chunk = 4 * MULTI.block_size
+    shape = [2, MULTI.num_layers, chunk, MULTI.hidden_dim]
+    nbytes = int(np.prod(shape)) * MULTI.itemsize
+    buf = np.zeros(2 * nbytes, np.uint8)
+    slots = [PoolSlot(offset=i * nbytes, length=nbytes, shape=shape, dtype=MULTI.dtype)
+             for i in range(2)]
+    pool = Pool("test", len(buf), 0, buf)
+    try:
+        copy_into_slots(cache, SCATTERED, slots, [0, 1], pool, chunk, stream=7)
+        for i, slot in enumerate(slots):
+            want = np.zeros(shape, dtype)
+            gather_chunk(layers, SCATTERED[4 * i:4 * i + 4], want, MULTI)
+            assert buf[slot.offset:slot.offset + nbytes].tobytes() == want.tobytes()
+        before = [layer.copy() for layer in layers]
+        for layer in layers:
+            layer[:, SCATTERED] = 0
+        copy_from_slots(cache, SCATTERED, slots, pool, chunk, 0, stream=7)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(layers, before, strict=True))
+    finally:
+        for address in list(staging.pinned_pools()):
+            staging._pinned.pop(address, None)
+        cache.close()
+
+
+def test_a_hole_or_another_devices_chunk_in_a_layer_is_refused_saying_where() -> None:
+    """Engine-driven copies need every byte of a layer mapped on one device: a chunk of
+    the reservation left unmapped (reserved, or released by sleep) or mapped from
+    another device is refused at registration with the byte where it starts."""
+    drv = FakeDriver(devices=2)
+    with pytest.raises(InvalidArgument, match=r"layer 0: .*byte 2097152 .* not mapped .*"
+                                              r"hole in the VMM reservation"):
+        from_ptrs(drv, vllm_like(drv, holes={1}))
+    with pytest.raises(InvalidArgument, match=r"layer 1: .*start on device 0 and byte "
+                                              r"4194304 .* is on device 1"):
+        from_ptrs(drv, vllm_like(drv, devices=[0, 0, 0, 0, 0, 1]))
+
+
+def test_expandable_segments_pages_export_alone_and_a_longer_layer_is_engine_driven() -> None:
+    """PyTorch's expandable segments map one POSIX-fd handle per 20 MiB page: a layer
+    inside one page is exported for the server as before; a layer spanning two pages
+    cannot be (one handle maps one chunk), so the cache is engine-driven only; every
+    fd exported on the way is closed and every retained handle released."""
+    drv = FakeDriver()
+    g = KVGeometry(2, 1024, 16, 8, 64, "bfloat16", False)  # 32 MiB per layer
+    base = drv.expandable_segment(g.num_layers * g.layer_nbytes)
+    inside = CudaKVCache.from_pointers([base, base + (1 << 20)], num_blocks=16,
+                                       block_size=16, num_heads=8, head_dim=64, driver=drv)
+    assert inside.ipc_exportable and {e.vmm.kind for e in inside.exports  # type: ignore[union-attr]
+                                      } == {"posix_fd"}
+    inside.close()
+    spanning = CudaKVCache.from_pointers(
+        [base + i * g.layer_nbytes for i in range(g.num_layers)], num_blocks=g.num_blocks,
+        block_size=16, num_heads=8, head_dim=64, driver=drv)
+    assert not spanning.ipc_exportable and not spanning.server_mappable
+    # Each layer's pages: [0, 40) MiB for layer 0, [20, 80) MiB for layer 1.
+    assert [(e.base - base, e.size) for e in spanning.exports] == [(0, 40 << 20),
+                                                                  (20 << 20, 60 << 20)]
+    with pytest.raises(InvalidArgument, match="more than one cuMemCreate chunk"):
+        spanning.export_layers()
+    assert not any(fd_open(fd) for fd in drv.vmm_fds) and set(drv.vmm_retained.values()) == {0}
+    spanning.close()
 
 
 # ------------------------------------------- the server's own receiving code (CPU)

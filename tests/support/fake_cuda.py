@@ -5,20 +5,34 @@ records every call, so tests can check the event protocol (what was opened, wait
 and destroyed, on which stream) and the error paths. ``DEVICE_ORDINAL`` reads 0 for
 every pointer, as it does on cuda-bindings 13.3.x-13.4.1, so code that still trusted
 it would fail the multi-device tests.
+
+VMM memory is modelled as the CUDA driver API documents it (docs.nvidia.com/cuda/
+cuda-driver-api, "Virtual Memory Management" and "Memory Management"): a reservation
+holds chunks (each one cuMemCreate allocation, with the handle types it was created
+with) mapped side by side; cuMemGetAddressRange answers the chunk holding a pointer,
+never the reservation; cuMemRetainAllocationHandle the chunk's own handle; an address
+reserved but not mapped is unknown to the pointer queries and faults when copied.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Container, Sequence
 from typing import Any
 
 import numpy as np
 
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaError, DeviceInfo, torch_uuid_string
+from lmcache_mp.ipc.cuda.vmm import HANDLE_TYPE_POSIX_FD
 
 UUID16 = bytes.fromhex("1f2e3d4c5b6a7988a7b6c5d4e3f2a1b0")
 UUID_STR = "1f2e3d4c-5b6a-7988-a7b6-c5d4e3f2a1b0"
+#: CUDA's VMM granularity on current GPUs (cuMemGetAllocationGranularity, MINIMUM).
+GRANULE = 2 << 20
+#: The page of PyTorch's expandable segments in its large pool (one handle each).
+EXPANDABLE_PAGE = 20 << 20
+
 
 
 class FakeDriver:
@@ -40,6 +54,16 @@ class FakeDriver:
         self.vmm_types: dict[int, int] = {}
         self.vmm_retained: dict[int, int] = {}
         self.vmm_fds: list[int] = []
+        # VMM as vLLM's extensible cache and PyTorch's expandable segments use it: VA
+        # reservations (base -> (size, their bytes)), chunks made by vmm_create
+        # (handle id -> its record), which chunk is mapped where (mapped base ->
+        # handle id; a chunk from add_alloc(kind="vmm") is its own handle, id = base)
+        # and the mapped chunks no cuMemSetAccess has made accessible yet.
+        self.reservations: dict[int, tuple[int, np.ndarray]] = {}
+        self.vmm_chunks: dict[int, dict[str, Any]] = {}
+        self.vmm_mapped: dict[int, int] = {}
+        self.vmm_no_access: set[int] = set()
+        self.next_handle = 1
         # Engine-driven copies and the doctor (staging.CopyDriver): device memory is
         # backed by numpy buffers (made on first use), host memory is real memory;
         # copies are queued per stream and run at its synchronisation, so a transfer
@@ -120,12 +144,18 @@ class FakeDriver:
         self.run_queued()
 
     def _find(self, ptr: int) -> tuple[int, int, int, str] | None:
+        """The allocation holding ``ptr`` (for VMM memory: the chunk mapped there), as
+        (base, size, device, kind)."""
         for base, (size, dev, kind) in self.allocs.items():
             if base <= ptr < base + size and base not in self.freed:
                 return base, size, dev, kind
         return None
 
     def address_range(self, ptr: int) -> tuple[int, int]:
+        """cuMemGetAddressRange: "the allocation that contains the input pointer". For
+        VMM memory that is the cuMemCreate chunk mapped there, not the reservation:
+        chunks mapped side by side answer one each (what UCX PR #11461 and libfabric
+        PR #12473 met on CUDA); a reserved address with nothing mapped is not found."""
         found = self._find(ptr)
         if found is None:
             raise CudaError("cuMemGetAddressRange failed: CUDA_ERROR_NOT_FOUND", code=500)
@@ -148,20 +178,24 @@ class FakeDriver:
         found = self._find(ptr)
         return None if found is None else found[2]
 
-    # VMM (cuMemCreate) chunks: the handle types each was created with (default: a
-    # POSIX fd), the retained references outstanding, and the fds exported (real
-    # memfds, so that closing them is observable).
+    # VMM (cuMemCreate) chunks: the handle types each was created with (default, for a
+    # chunk made by add_alloc: a POSIX fd), the references cuMemRetainAllocationHandle
+    # took that are outstanding, and the fds exported (real memfds, so that closing
+    # them is observable).
     def set_vmm_types(self, base: int, types: int) -> None:
         self.vmm_types[base] = types
 
     def vmm_retain(self, ptr: int) -> tuple[str, int]:
+        """cuMemRetainAllocationHandle: the handle of the chunk mapped at ``ptr`` (the
+        one it was mapped with), one more reference; fails where nothing is mapped."""
         found = self._find(ptr)
         if found is None or found[3] != "vmm":
             raise CudaError("cuMemRetainAllocationHandle failed: CUDA_ERROR_INVALID_VALUE",
                             code=1)
-        self.vmm_retained[found[0]] = self.vmm_retained.get(found[0], 0) + 1
-        self.calls.append(("vmm_retain", found[0]))
-        return ("vmm", found[0])
+        handle = self.vmm_mapped.get(found[0], found[0])
+        self.vmm_retained[handle] = self.vmm_retained.get(handle, 0) + 1
+        self.calls.append(("vmm_retain", handle))
+        return ("vmm", handle)
 
     def vmm_handle_types(self, handle: tuple[str, int]) -> int:
         return self.vmm_types.get(handle[1], 0x1)
@@ -176,8 +210,138 @@ class FakeDriver:
         return fd
 
     def vmm_release(self, handle: tuple[str, int]) -> None:
-        assert self.vmm_retained.get(handle[1], 0) > 0, "released more than retained"
-        self.vmm_retained[handle[1]] -= 1
+        """cuMemRelease: one reference less (a retained one first, else the one
+        vmm_create made; the chunk's memory goes once it is also unmapped)."""
+        if self.vmm_retained.get(handle[1], 0) > 0:
+            self.vmm_retained[handle[1]] -= 1
+            return
+        chunk = self.vmm_chunks.get(handle[1])
+        assert chunk is not None and chunk["created"], "released more than retained"
+        chunk["created"] = False
+        self.calls.append(("vmm_release", handle[1]))
+
+    # -- VA reservations with chunks mapped into them, as vLLM 0.34's ExtensibleTensor
+    # and PyTorch's expandable segments make them: cuMemAddressReserve, cuMemCreate
+    # (one physical chunk, its requestedHandleTypes fixed), cuMemMap (a whole chunk at
+    # an address of a reservation), cuMemSetAccess (nothing is accessible before),
+    # cuMemUnmap (whole mappings only), cuMemAddressFree. A reservation's bytes are host
+    # memory at its very addresses, so CPU tensors over them (vLLM's views of its
+    # extensible cache) stand where CUDA tensors would; the copies check that every
+    # byte they touch is mapped and accessible (_vmm_bytes).
+    def vmm_address_reserve(self, size: int, alignment: int = GRANULE) -> int:
+        assert size > 0 and size % 4096 == 0, "cuMemAddressReserve: whole host pages"
+        raw = np.zeros(size + alignment, np.uint8)
+        mem = raw[-raw.ctypes.data % alignment:][:size]
+        self.reservations[mem.ctypes.data] = (size, mem)
+        self.calls.append(("vmm_reserve", mem.ctypes.data, size))
+        return int(mem.ctypes.data)
+
+    def vmm_address_free(self, ptr: int, size: int) -> None:
+        assert self.reservations.get(ptr, (0,))[0] == size, "not a reservation of that size"
+        assert not any(ptr <= b < ptr + size for b in self.vmm_mapped), "chunks still mapped"
+        del self.reservations[ptr]
+
+    def vmm_create(self, size: int, device: int | None = None,
+                   handle_types: int = 0) -> tuple[str, int]:
+        assert size > 0 and size % GRANULE == 0, "cuMemCreate: a multiple of the granularity"
+        handle = self.next_handle
+        self.next_handle += 1
+        self.vmm_chunks[handle] = {"size": size, "created": True, "mapped_at": None,
+                                   "device": self.device if device is None else device}
+        self.vmm_types[handle] = handle_types
+        self.calls.append(("vmm_create", handle, size, handle_types))
+        return ("vmm", handle)
+
+    def _reservation(self, ptr: int) -> tuple[int, int, np.ndarray] | None:
+        for base, (size, mem) in self.reservations.items():
+            if base <= ptr < base + size:
+                return base, size, mem
+        return None
+
+    def vmm_map(self, ptr: int, size: int, handle: tuple[str, int]) -> None:
+        chunk = self.vmm_chunks[handle[1]]
+        assert chunk["created"] or self.vmm_retained.get(handle[1], 0), "a released handle"
+        assert size == chunk["size"] and chunk["mapped_at"] is None, "one whole mapping"
+        found = self._reservation(ptr)
+        assert found is not None and ptr + size <= found[0] + found[1], "not reserved"
+        assert not any(b < ptr + size and ptr < b + self.allocs[b][0] for b in self.vmm_mapped), \
+            "cuMemMap over a mapping"
+        self.allocs[ptr] = (size, chunk["device"], "vmm")
+        self.vmm_mapped[ptr] = handle[1]
+        self.vmm_no_access.add(ptr)
+        chunk["mapped_at"] = ptr
+        # Fresh physical memory holds whatever it held: not zeros.
+        found[2][ptr - found[0]: ptr - found[0] + size] = 0xA5
+        self.calls.append(("vmm_map", ptr, size, handle[1]))
+
+    def _mappings(self, ptr: int, size: int) -> list[int]:
+        """The mapped chunks tiling [ptr, ptr + size) exactly (asserted)."""
+        bases, at = [], ptr
+        while at < ptr + size:
+            assert at in self.vmm_mapped, f"0x{at:x} does not start a mapping"
+            bases.append(at)
+            at += self.allocs[at][0]
+        assert at == ptr + size, "a range ending inside a mapping"
+        return bases
+
+    def vmm_set_access(self, ptr: int, size: int, device: int) -> None:
+        for base in self._mappings(ptr, size):
+            assert self.allocs[base][1] == device, "access for another device's chunk"
+            self.vmm_no_access.discard(base)
+
+    def vmm_unmap(self, ptr: int, size: int) -> None:
+        for base in self._mappings(ptr, size):
+            del self.allocs[base]
+            self.backing.pop(base, None)
+            self.vmm_no_access.discard(base)
+            self.vmm_chunks[self.vmm_mapped.pop(base)]["mapped_at"] = None
+        self.calls.append(("vmm_unmap", ptr, size))
+
+    def vmm_reservation(self, chunks: Sequence[int], *, handle_types: int = 0,
+                        devices: Sequence[int] | None = None, holes: Container[int] = (),
+                        spare: int = 0) -> int:
+        """A reservation with chunks of these sizes mapped side by side from its base
+        (accessible to their device; ``devices``: one per chunk), chunks whose index
+        is in ``holes`` left unmapped, ``spare`` bytes reserved after them."""
+        base = self.vmm_address_reserve(sum(chunks) + spare)
+        at = base
+        for i, size in enumerate(chunks):
+            if i not in holes:
+                device = None if devices is None else devices[i]
+                handle = self.vmm_create(size, device, handle_types)
+                self.vmm_map(at, size, handle)
+                self.vmm_set_access(at, size, self.allocs[at][1])
+            at += size
+        return base
+
+    def expandable_segment(self, nbytes: int, page: int = EXPANDABLE_PAGE,
+                           handle_types: int = HANDLE_TYPE_POSIX_FD) -> int:
+        """PyTorch's expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+        holding ``nbytes``: a large reservation mapped one cuMemCreate handle per page
+        (20 MiB in the large pool), each created with requestedHandleTypes POSIX_FD
+        (c10/cuda/CUDACachingAllocator.cpp, ExpandableSegment::map; FABRIC where so
+        configured)."""
+        return self.vmm_reservation([page] * -(-nbytes // page), handle_types=handle_types,
+                                    spare=page)
+
+    def _vmm_bytes(self, ptr: int, nbytes: int) -> np.ndarray | None:
+        """The ``nbytes`` at ``ptr`` if it lies in a reservation: every byte in a chunk
+        mapped there and made accessible (elsewhere a copy faults on CUDA), across as
+        many chunks as it spans."""
+        found = self._reservation(ptr)
+        if found is None:
+            return None
+        base, size, mem = found
+        assert ptr + nbytes <= base + size, "a copy runs past its reservation"
+        at = ptr
+        while at < ptr + nbytes:
+            chunk = self._find(at)
+            assert chunk is not None and chunk[0] in self.vmm_mapped, \
+                f"0x{at:x} is reserved but not mapped (a copy there faults)"
+            assert chunk[0] not in self.vmm_no_access, \
+                f"the chunk at 0x{chunk[0]:x} was never made accessible (cuMemSetAccess)"
+            at = chunk[0] + chunk[1]
+        return mem[ptr - base: ptr - base + nbytes]
 
     def ipc_get_mem_handle(self, ptr: int) -> bytes:
         assert ptr in self.allocs, "always exported at the base"
@@ -244,6 +408,9 @@ class FakeDriver:
         self.unpinned.append(ptr)
 
     def _memory(self, ptr: int, nbytes: int) -> np.ndarray:
+        reserved = self._vmm_bytes(ptr, nbytes)  # VMM reservations: may span chunks
+        if reserved is not None:
+            return reserved
         found = self._find(ptr)
         if found is not None:
             base, size, _, _ = found

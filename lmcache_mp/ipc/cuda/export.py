@@ -40,6 +40,7 @@ __all__ = [
     "export_allocation",
     "export_or_local",
     "local_allocation",
+    "mapped_range",
     "on_device",
     "default_stream",
     "stream_handle",
@@ -237,7 +238,9 @@ def local_allocation(drv: CudaDriver, ptr: int, nbytes: int,
     """A layer that ``export_allocation`` refused (``failure``), kept for engine-driven
     transfers when it is device memory that only CUDA IPC cannot share: VMM or pool
     memory, or a device where ``cudaIpcGetMemHandle`` is not supported (Tegra). Its
-    handle is empty. Anything else re-raises ``failure``."""
+    handle is empty; ``base`` / ``size`` are the mapped range holding it (for VMM
+    memory possibly several chunks: :func:`mapped_range`). Anything else re-raises
+    ``failure``."""
     if drv.pointer_attribute(ptr, "MEMORY_TYPE") != CU_MEMORYTYPE_DEVICE:
         raise failure
     ipc_refused = isinstance(failure, CudaError) and failure.call == "cudaIpcGetMemHandle"
@@ -245,12 +248,55 @@ def local_allocation(drv: CudaDriver, ptr: int, nbytes: int,
         drv.pointer_attribute(ptr, "MEMPOOL_HANDLE"))
     if not (ipc_refused or not_capable):
         raise failure
-    base, size = drv.address_range(ptr)
-    if ptr - base + nbytes > size:
-        raise failure
-    device = drv.pointer_device(ptr)
+    base, size, device = mapped_range(drv, ptr, nbytes, failure)
     return ExportedAllocation(b"", ptr, base, size, drv.get_device() if device is None
                               else device, local_reason=str(failure))
+
+
+def mapped_range(drv: CudaDriver, ptr: int, nbytes: int,
+                 failure: Exception) -> tuple[int, int, int | None]:
+    """(base, size, device) of the mapped device memory holding the ``nbytes`` at
+    ``ptr``, walked allocation by allocation with the driver.
+
+    ``cuMemGetAddressRange`` answers the allocation holding a pointer: for CUDA VMM
+    memory the one ``cuMemCreate`` chunk mapped there, not the reservation. vLLM
+    0.34's extensible KV cache maps a new chunk at every commit (its minimum, warm-up
+    and final size: ``utils/extensible_tensor.py``), PyTorch's expandable segments one
+    per 20 MiB page, so one layer's view spans several chunks side by side. This
+    process's copies need only every byte mapped on one device (a copy never cares
+    where one chunk ends), so the chunks are followed from ``ptr``; a hole (an address
+    reserved but not mapped), host memory or another device's memory within the view
+    is refused, saying where. A view inside one allocation is one step. ``failure``:
+    why the server cannot map it (the message's tail)."""
+    end, at = ptr + nbytes, ptr
+    base: int | None = None
+    device: int | None = None
+    chunks = 0
+    while at < end:
+        try:
+            chunk, size = drv.address_range(at)
+        except CudaError:
+            chunk, size = at, 0
+        if size <= 0 or chunk + size <= at or (
+                chunks and drv.pointer_attribute(at, "MEMORY_TYPE") != CU_MEMORYTYPE_DEVICE):
+            what = ("nothing is mapped there (a hole in the VMM reservation: reserved, or "
+                    "released, but not mapped)" if size <= 0 else "it is not device memory")
+            raise InvalidArgument(
+                f"the {nbytes} bytes at 0x{ptr:x} cannot be registered: byte {at - ptr} "
+                f"(0x{at:x}) is not mapped device memory: {what}. Engine-driven copies need "
+                f"every byte of a layer mapped (the server cannot map it either: {failure})")
+        holder = drv.pointer_device(at)
+        if chunks and holder != device:
+            raise InvalidArgument(
+                f"the {nbytes} bytes at 0x{ptr:x} cannot be registered: they start on "
+                f"device {device} and byte {at - ptr} (0x{at:x}) is on device {holder}; a "
+                f"layer must be on one device")
+        if base is None:
+            base, device = chunk, holder
+        at = chunk + size
+        chunks += 1
+    assert base is not None  # nbytes > 0: at least one step
+    return base, at - base, device
 
 
 # -------------------------------------------------------------- lifetimes

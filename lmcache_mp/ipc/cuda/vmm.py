@@ -11,8 +11,11 @@ This mirrors LMCache's ``VmmCudaIPCWrapper.__init__`` (0.5.6 and 0.5.7rc2,
 ``cuda_vmm`` descriptor (:func:`lmcache_mp.protocol.wrappers.vmm_descriptor`) exactly as
 its own: retain the allocation handle from the pointer, export it (a POSIX fd when
 the chunk allows one, else the 64-byte fabric handle), find the physical chunk with
-``cuMemGetAddressRange`` (the view must fit in that one chunk), drop the retained
-reference. A fresh 16-byte export id names the export.
+``cuMemGetAddressRange`` (the view must fit in that one chunk: the server maps one
+handle), drop the retained reference. A fresh 16-byte export id names the export.
+A view over several chunks (vLLM 0.34's extensible cache maps one per commit, PyTorch's
+expandable segments one per page) cannot be exported so; it stays usable for
+engine-driven transfers (:func:`~.export.mapped_range`).
 
 The two kinds travel differently. A fabric handle rides inside the descriptor (both
 processes need IMEX channel access). A POSIX fd means nothing outside this process:
@@ -117,7 +120,8 @@ def export_vmm(driver: VmmDriver, ptr: int, nbytes: int) -> tuple[VmmShare, int,
             raise InvalidArgument(
                 f"{nbytes} bytes at 0x{ptr:x} span more than one cuMemCreate chunk (the "
                 f"chunk at 0x{base:x} holds {size} bytes from offset {offset}); one exported "
-                f"handle maps exactly one chunk, so LMCache cannot map this view")
+                f"handle maps exactly one chunk, so LMCache cannot map this view (engine-"
+                f"driven transfers can: they need only mapped memory)")
         share = VmmShare(kind, uuid.uuid4().bytes, size, offset, fd=fd, fabric_blob=blob)
     except BaseException:
         if fd is not None:

@@ -99,8 +99,8 @@ def _config_dir(name: str, cfg: dict[str, Any]) -> str:
 
 
 def pattern(rank: int, layer: int, tokens: torch.Tensor, positions: torch.Tensor,
-            mla: bool = False, heads: int = KV_HEADS) -> torch.Tensor:
-    """KV values for tokens at positions: [2, n, heads, HEAD_DIM] float16, exact
+            mla: bool = False, heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> torch.Tensor:
+    """KV values for tokens at positions: [2, n, heads, head_dim] float16, exact
     small multiples of 1/8 (no rounding), different per rank, layer, plane, head, dim.
     ``mla``: [n, MLA_HEAD], the same on every rank (replicated over TP)."""
     if mla:
@@ -110,7 +110,7 @@ def pattern(rank: int, layer: int, tokens: torch.Tensor, positions: torch.Tensor
         return (v.to(torch.float32) / 8).to(torch.float16)
     kv = torch.arange(2).view(2, 1, 1, 1)
     h = torch.arange(heads).view(1, 1, heads, 1)
-    d = torch.arange(HEAD_DIM).view(1, 1, 1, HEAD_DIM)
+    d = torch.arange(head_dim).view(1, 1, 1, head_dim)
     t = tokens.view(1, -1, 1, 1)
     p = positions.view(1, -1, 1, 1)
     v = (t * 31 + p * 7 + layer * 13 + rank * 101 + kv * 3 + h * 11 + d * 5) % 997
@@ -228,7 +228,9 @@ class Engine:
     def __init__(self, connector: tuple[str, str], extra: dict[str, Any], *, tp: int = 1,
                  num_blocks: int = 96, block_size: int = 16, model: str | None = None,
                  prefix_caching: bool = True, mla: bool = False,
-                 backend: str = "CPU_ATTN", extensible: bool | None = None) -> None:
+                 backend: str = "CPU_ATTN", extensible: bool | None = None,
+                 kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
+                 warmup_blocks: int = WARMUP_BLOCKS) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -247,6 +249,7 @@ class Engine:
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.block_size, self.tp = block_size, tp
+        self.warmup_blocks = warmup_blocks
         self.mla, self.backend = mla, backend
         model_cfg = ModelConfig(model=model or (mla_model_dir() if mla else model_dir()),
                                 skip_tokenizer_init=True, dtype="float16", max_model_len=1024)
@@ -278,11 +281,12 @@ class Engine:
         self.mixin = v1_model_runner_mixin()
         layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
         # A rank holds its share of the KV heads (MLA's one latent head is replicated).
-        self.heads = 1 if mla else KV_HEADS // tp
+        self.heads = 1 if mla else kv_heads // tp
+        self.head_dim = head_dim
         spec = (MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=MLA_HEAD,
                                  dtype=torch.float16) if mla else
                 FullAttentionSpec(block_size=block_size, num_kv_heads=self.heads,
-                                  head_size=HEAD_DIM, dtype=torch.float16))
+                                  head_size=head_dim, dtype=torch.float16))
         specs = {n: spec for n in layer_names}
         backend_cls = _backend_class(backend)
         declared = backend_cls.supported_kv_cache_layouts()
@@ -348,10 +352,13 @@ class Engine:
         if self.extensible:
             import extensible
 
-            padded, cache = extensible.allocate(kv_cache_config, layout, WARMUP_BLOCKS)
+            padded, cache = extensible.allocate(kv_cache_config, layout, self.warmup_blocks,
+                                                device=cfg.parallel_config.rank,
+                                                vllm_config=cfg)
             # Warm-up ran without a connector: it is created once the memory is final.
             assert kv_transfer_state._KV_CONNECTOR_AGENT is None
-            runner = extensible.extend(cfg, padded, cache, self.num_blocks)
+            runner = extensible.extend(cfg, padded, cache, self.num_blocks,
+                                       device=cfg.parallel_config.rank)
             w = kv_transfer_state._KV_CONNECTOR_AGENT
             kv_transfer_state._KV_CONNECTOR_AGENT = None
             self.final_kv_cache_config = runner.kv_cache_config
@@ -522,7 +529,8 @@ class Engine:
             pos = torch.arange(computed, computed + n)
             tok = torch.tensor(tokens[computed:computed + n])
             for li, name in enumerate(self.layer_names):
-                values = pattern(rank, li, tok, pos, mla=self.mla, heads=self.heads)
+                values = pattern(rank, li, tok, pos, mla=self.mla, heads=self.heads,
+                                 head_dim=self.head_dim)
                 at = self._slots(blocks, pos)
                 for plane, v in zip(self.planes[rank][name], [values] if self.mla else values,
                                     strict=True):
@@ -540,7 +548,8 @@ class Engine:
         pos = torch.arange(0, upto)
         tok = torch.tensor(tokens[:upto])
         for li, name in enumerate(self.layer_names):
-            want = pattern(rank, li, tok, pos, mla=self.mla, heads=self.heads)
+            want = pattern(rank, li, tok, pos, mla=self.mla, heads=self.heads,
+                           head_dim=self.head_dim)
             at = self._slots(blocks, pos)
             for plane, w in zip(self.planes[rank][name], [want] if self.mla else want,
                                 strict=True):
@@ -563,7 +572,14 @@ class Engine:
                 "data_ptrs": [int(t.data_ptr()) for t in layers],
                 "registered_blocks": int(self.workers[rank].worker.reg.cache.geometry.num_blocks)
                 if getattr(self.workers[rank], "worker", None) is not None
-                and self.workers[rank].worker.reg is not None else None})
+                and self.workers[rank].worker.reg is not None else None,
+                "registered_as": f"{type(self.workers[rank].worker.reg.cache).__name__} "
+                                 f"{self.workers[rank].worker.reg.mode}"
+                if getattr(self.workers[rank], "worker", None) is not None
+                and self.workers[rank].worker.reg is not None else None,
+                # The extensible cache: cuMemCreate chunks under each layer's view.
+                "chunks": extensible_chunks(caches, self.layer_names)
+                if self.caches[rank] is not None else None})
         return out
 
     def drain(self, deadline_s: float = 60.0) -> None:
@@ -621,6 +637,12 @@ class Engine:
             conn.shutdown()
 
 
+def extensible_chunks(caches: dict[str, torch.Tensor], names: list[str]) -> list[int]:
+    import extensible
+
+    return extensible.chunks_per_layer({n: caches[n] for n in names})
+
+
 def prompt(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (n,), generator=g).tolist()
@@ -660,7 +682,9 @@ def main(spec_path: str) -> None:
                  backend=spec.get("backend", "CPU_ATTN"),
                  num_blocks=spec.get("num_blocks", 96),
                  prefix_caching=spec.get("prefix_caching", True),
-                 extensible=spec.get("extensible"))
+                 extensible=spec.get("extensible"),
+                 kv_heads=spec.get("kv_heads", KV_HEADS), head_dim=spec.get("head_dim", HEAD_DIM),
+                 warmup_blocks=spec.get("warmup_blocks", WARMUP_BLOCKS))
     out: dict[str, Any] = {"requests": {}, "phase_seconds": [], "vllm": vllm_release()}
     lookups: dict[str, int] = {}
     instances: list[list[int]] = [[] for _ in eng.workers]

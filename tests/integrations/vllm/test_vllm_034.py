@@ -87,6 +87,32 @@ def test_store_then_a_fresh_engine_loads_from_the_extensible_cache(
     assert loaded(second, "b") == 3 * CHUNK and second["stats"]["load_errors"] == 0
 
 
+def test_the_extensible_cache_over_several_chunks_registers_and_moves_bytes_both_ways(
+        server: LiveServer, tmp_path: Path) -> None:
+    """vLLM 0.34's default cache on a GPU, as its own code commits it (over the fake
+    CUDA driver, extensible.py): wide blocks (8 heads of 256: 128 KiB a block, 16 a
+    2 MiB granule), so vLLM's minimum commit (the null block), its warm-up commit (24
+    blocks) and extend_kv_cache's (96 blocks) each map a cuMemCreate chunk under every
+    layer's view: three chunks, which cuMemGetAddressRange answers one at a time. The
+    connector registers the views through its CUDA path (engine-driven: the connector
+    declared IN_PROCESS), stores a 3-chunk prompt whose blocks lie in all three chunks,
+    and a fresh engine loads it back, bytes checked. Before (1470964) the registration
+    refused a view spanning chunks and the worker died at start."""
+    p = tokens(347, 3 * CHUNK + 40)
+    wide = {"kv_heads": 8, "head_dim": 256, "warmup_blocks": 24}
+    first = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("a", p, "w")]}],
+                       **wide)
+    (view,) = first["views"]
+    assert view["registered_as"] == "CudaKVCache engine" and view["extensible"]
+    assert view["block_bytes"] == 128 << 10 and view["chunks"] == [3, 3]
+    assert loaded(first, "a") == 0 and first["stats"]["stored"] >= 1
+    second = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("b", p, "w")]}],
+                        **wide)
+    assert second["views"][0]["chunks"] == [3, 3]
+    # 3 chunks of 256 tokens: blocks 1..48 of 16 tokens, over all three VMM chunks.
+    assert loaded(second, "b") == 3 * CHUNK and second["stats"]["load_errors"] == 0
+
+
 def test_a_preempted_request_comes_back_through_scheduled_new_reqs_and_loads(
         server: LiveServer, tmp_path: Path) -> None:
     """Two requests in a cache too small for both to finish decoding (no vLLM prefix
