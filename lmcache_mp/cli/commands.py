@@ -4,6 +4,7 @@
     lmcache-mp info URL            chunk size, protocol, round-trip time, features
     lmcache-mp keys --model M ...  the chunk hashes / storage keys a prompt maps to
     lmcache-mp doctor [URL]        CUDA, IPC, memory, /dev/shm, the server: which modes work
+                                   (--peer URL, --server-log FILE: the shared L2 tier)
     lmcache-mp clean [--dry-run]   remove the shared memory of killed lmcache_mp processes
                                    (also: lmcache-mp doctor --clean)
     lmcache-mp bench URL           latency, client CPU and GB/s against a bare DEALER and
@@ -152,7 +153,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         _cmd_clean(argparse.Namespace(dry_run=False))
     from .doctor import main_doctor  # imports CUDA bindings only when asked
 
-    return main_doctor(args.url, args.timeout, args.engine_fraction)
+    return main_doctor(args.url, args.timeout, args.engine_fraction, peer=args.peer,
+                       server_logs=args.server_log, l2_wait=args.l2_wait,
+                       allow_remote=args.allow_remote)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -211,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=2.0)
     p.add_argument("--clean", action="store_true",
                    help="first remove the shared memory of killed lmcache_mp processes")
+    p.add_argument("--peer", metavar="URL",
+                   help="another node's server sharing this one's L2 tier: compare chunk "
+                        "sizes and store a probe chunk here that the peer must find")
+    p.add_argument("--l2-wait", type=float, default=10.0,
+                   help="how long the peer may take to see the probe (default 10 s)")
+    p.add_argument("--server-log", action="append", default=[], metavar="FILE",
+                   help="an LMCache server's log: report its L2 adapters' failures "
+                        "(repeatable)")
+    p.add_argument("--allow-remote", action="store_true", help=_ALLOW_REMOTE)
     p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("bench", help="benchmark this client against a server (table, JSON, PNG)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import LMCacheMPError
@@ -158,10 +159,14 @@ def _wrapper_forms(wrappers: WrapperFormats) -> str:
 
 
 def run_doctor(url: str | None, timeout: float, *, driver: CudaDriver | None = None,
-               engine_fraction: float = 0.9, box: Box | None = None) -> list[Check]:
+               engine_fraction: float = 0.9, box: Box | None = None,
+               peer: str | None = None, server_logs: Sequence[str] = (),
+               l2_wait: float = 10.0, allow_remote: bool = False) -> list[Check]:
     """Every check as (check, result, ok). ``driver`` replaces cuda-python (tests);
     ``engine_fraction`` is the engine's share of GPU memory (vLLM's
-    ``--gpu-memory-utilization``) for the L1 advice; ``box`` receives the facts."""
+    ``--gpu-memory-utilization``) for the L1 advice; ``box`` receives the facts;
+    ``peer`` (another node's server) and ``server_logs`` add the second tier's checks
+    (:mod:`lmcache_mp.cli.l2_doctor`)."""
     from .. import __version__
 
     box = box if box is not None else Box()
@@ -186,6 +191,31 @@ def run_doctor(url: str | None, timeout: float, *, driver: CudaDriver | None = N
             except Exception as exc:  # the doctor must report, not crash
                 rows.append(("SHM round trip", f"check failed unexpectedly: {exc!r}", False))
     rows.extend(recommend(box, engine_fraction))
+    rows.extend(_l2_checks(url, peer, server_logs, timeout, l2_wait, allow_remote))
+    return rows
+
+
+#: The rows whose failure makes ``main_doctor`` exit 1 (a server asked about is down or
+#: does not share its L2).
+SERVER_ROWS = ("server", "peer", "chunk size", "L2 probe")
+
+
+def _l2_checks(url: str | None, peer: str | None, server_logs: Sequence[str],
+               timeout: float, l2_wait: float, allow_remote: bool) -> list[Check]:
+    from .l2_doctor import compare_nodes, log_checks
+
+    rows: list[Check] = []
+    try:
+        if peer is not None:
+            if url is None:
+                rows.append(("peer", "not checked: --peer needs this node's server URL too",
+                             False))
+            else:
+                rows.extend(compare_nodes(url, peer, timeout, l2_wait,
+                                          allow_remote=allow_remote))
+        rows.extend(log_checks(server_logs))
+    except Exception as exc:  # the doctor must report, not crash
+        rows.append(("L2", f"check failed unexpectedly: {exc!r}", False))
     return rows
 
 
@@ -195,11 +225,15 @@ def format_report(rows: list[Check]) -> str:
                      for name, result, ok in rows)
 
 
-def main_doctor(url: str | None, timeout: float, engine_fraction: float = 0.9) -> int:
-    """Print the report; 1 if a requested server check failed, else 0 (a machine
-    without CUDA is a valid client host for CPU caches)."""
-    rows = run_doctor(url, timeout, engine_fraction=engine_fraction)
+def main_doctor(url: str | None, timeout: float, engine_fraction: float = 0.9, *,
+                peer: str | None = None, server_logs: Sequence[str] = (),
+                l2_wait: float = 10.0, allow_remote: bool = False) -> int:
+    """Print the report; 1 if a requested server check failed (the server, the peer,
+    the L2 probe, an L2 adapter its log shows down), else 0 (a machine without CUDA is
+    a valid client host for CPU caches)."""
+    rows = run_doctor(url, timeout, engine_fraction=engine_fraction, peer=peer,
+                      server_logs=server_logs, l2_wait=l2_wait, allow_remote=allow_remote)
     print(format_report(rows))
-    failed_server = url is not None and any(name == "server" and not ok
-                                            for name, _, ok in rows)
-    return 1 if failed_server else 0
+    failed = any(not ok and (name in SERVER_ROWS or name.startswith("L2 adapter"))
+                 for name, _, ok in rows)
+    return 1 if failed else 0

@@ -23,7 +23,7 @@ import pytest
 
 from lmcache_mp import Client, CpuKVCache
 
-from ..conftest import SERVER_VERSION, LiveServer, start_server
+from ..conftest import REPO, SERVER_VERSION, LiveServer, start_server
 from ..support.live_helpers import both_modes_args, fill_random
 from ..support.valkey import ValkeyCluster, ValkeyNode
 
@@ -123,6 +123,12 @@ def tier_factory() -> Iterator[Callable[[str], Tier]]:
     yield make
     for tier in made:
         tier.close()
+
+
+def log_path(server: LiveServer) -> Path:
+    """The server's log file (what an operator points ``lmcache-mp doctor`` at)."""
+    return Path(os.environ.get("LMCACHE_MP_ORACLE_DIR", REPO / ".oracle")) / "run" / \
+        f"server-{server.port}.log"
 
 
 def fs_leftovers() -> list[str]:
