@@ -36,8 +36,6 @@ SAME_AS_OURS: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_vmm_api": ((True, False), "CUDA VMM memory (the cumem allocator) is detected "
                                    "from the memory itself"),
     "isolated_ipc": ((False,), "CUDA IPC needs the server in the same IPC namespace"),
-    "eager_prefetch": ((False,), "a lookup starts when vLLM first asks for the "
-                                 "request's hit"),
     "lazy_offload": ((False,), "stores are submitted after each forward pass"),
     "transfer_intermediate_tensors": ((False,), "only KV caches are transferred"),
     "autostart": ((False,), "the server is started separately"),
@@ -74,6 +72,16 @@ class ConnectorConfig:
     lookup_wait: float = 0.005
     #: Seconds between the scheduler's health probes of each server.
     health_interval: float = 2.0
+    #: LMCache's key: look a request up as soon as vLLM learns of it (``on_new_request``,
+    #: before it waits in the queue), so that a load from the servers' second tier (L2)
+    #: overlaps its queue time instead of its first scheduling (LMCache's default:
+    #: false; ours: true).
+    eager_prefetch: bool = True
+    #: The L2-aware wait: how long after vLLM first asks for a request's hit it may wait
+    #: for its lookup's answer (the servers load L2 hits into L1 inside the lookup)
+    #: before it goes on as a miss (queue time does not count). The read locks that
+    #: lookup takes are freed once the server answers.
+    l2_load_timeout: float = 5.0
     #: The servers' wire family ("auto": probed by each process that connects, which
     #: leaves a few ERROR lines in the server's log on some releases; "0.5.3", "0.5.5",
     #: "0.5.6" or "0.5.7": no probe). ``lmcache-mp info URL`` prints the value to set.
@@ -88,7 +96,8 @@ class ConnectorConfig:
                if isinstance(k, str) and k.startswith(PREFIX)}
         known = {"server_urls", "host", "port", "mq_timeout", "heartbeat_interval",
                  "mp_transfer_mode", "save_decode_cache", "transfer_timeout",
-                 "lookup_timeout", "lookup_wait", "health_interval", "protocol"}
+                 "lookup_timeout", "lookup_wait", "health_interval", "protocol",
+                 "eager_prefetch", "l2_load_timeout"}
         for k in sorted(raw):
             refused = next((why for p, why in REFUSED.items() if k.startswith(p)), None)
             if refused is not None:
@@ -132,6 +141,8 @@ class ConnectorConfig:
             lookup_timeout=_seconds(raw, "lookup_timeout", cls.lookup_timeout),
             lookup_wait=_seconds(raw, "lookup_wait", cls.lookup_wait, zero_ok=True),
             health_interval=_seconds(raw, "health_interval", cls.health_interval),
+            eager_prefetch=_bool(raw.get("eager_prefetch", cls.eager_prefetch)),
+            l2_load_timeout=_seconds(raw, "l2_load_timeout", cls.l2_load_timeout),
         )
 
 

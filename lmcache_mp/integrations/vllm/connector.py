@@ -173,6 +173,10 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 client.close()
 
     # ========================================================= scheduler side
+    def on_new_request(self, request: Any) -> None:
+        if self.scheduler is not None:  # the lookup starts (lmcache.mp.eager_prefetch)
+            self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None

@@ -104,6 +104,7 @@ class Tracker:
     lookups: dict[str, _Lookup] = field(default_factory=dict)
     lookup_end: int = 0               # the chunk-aligned prefix looked up
     lookup_sent: float = 0.0          # when (monotonic) the lookups went out
+    asked: float = 0.0                # when vLLM first asked for its hit (the L2 wait)
     hit: int | None = None            # tokens cached on every server (None: not known)
     vllm_hit: int = 0
     stored: int = 0                   # tokens [0, stored) need no STORE
@@ -259,6 +260,23 @@ class SchedulerSide:
         return t.key.with_range(start, end)
 
     # ------------------------------------------------------------- lookups
+    def on_new_request(self, request: Any) -> None:
+        """vLLM learned of the request (``Scheduler.add_request``: vLLM 0.32 and 0.33
+        right after queueing it, 0.34 just before): with ``eager_prefetch``, send its
+        lookups now, without waiting for the answers, so that the servers' loads from
+        their second tier overlap the time it waits in the queue; its first scheduling
+        then finds the answer in. LMCache's connector skips a resumable (streaming
+        input) request, whose tokens are still to come: so does this one."""
+        if not self.cfg.eager_prefetch or getattr(request, "resumable", False):
+            return
+        t = self._tracker(request)
+        if t.state is State.LOOKUP and not t.lookups and t.hit is None:
+            wait_until, self._wait_until = self._wait_until, 0.0  # send, do not wait
+            try:
+                self._advance_lookup(t)
+            finally:
+                self._wait_until = wait_until
+
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         t = self._tracker(request)
@@ -277,6 +295,7 @@ class SchedulerSide:
                 t.vllm_hit = num_computed_tokens - num_computed_tokens % self.block_size
             return 0, False
         if t.hit is None:
+            t.asked = t.asked or time.monotonic()
             if not self._wait_until:
                 # One budget per scheduler step, shared by its requests' lookups.
                 self._wait_until = time.monotonic() + self.cfg.lookup_wait
@@ -313,6 +332,7 @@ class SchedulerSide:
             for url, lk in t.lookups.items():
                 if lk.chunks is None:
                     self._poll(url, t, lk)
+                    self._expire(url, t, lk)
                 if lk.chunks is None:
                     waiting = waiting or lk.query or lk.submit
             if waiting is None:
@@ -367,6 +387,21 @@ class SchedulerSide:
             log.warning("lmcache_mp connector: lookup of %s on %s failed (%s); no hit",
                         t.request_id, url, err)
             lk.chunks = 0
+
+    def _expire(self, url: str, t: Tracker, lk: _Lookup) -> None:
+        """The L2-aware wait: a lookup still unanswered ``l2_load_timeout`` after vLLM
+        first asked for the request's hit (the server still loading it from its second
+        tier, or stalled there; queue time before does not count) is given up: the
+        request goes on as a miss, and the read locks the lookup takes are freed once
+        the server says how many (:meth:`_settle`)."""
+        if lk.chunks is not None or not t.asked or \
+                time.monotonic() - t.asked <= self.cfg.l2_load_timeout:
+            return
+        log.warning("lmcache_mp connector: lookup of %s on %s not answered within "
+                    "lmcache.mp.l2_load_timeout=%gs; no hit, its locks are freed when the "
+                    "server answers", t.request_id, url, self.cfg.l2_load_timeout)
+        self.metrics.add("lookups_given_up")
+        lk.chunks, lk.query, lk.settle_until = 0, None, time.monotonic() + SETTLE_S
 
     def _settle(self, url: str, t: Tracker, lk: _Lookup) -> None:
         """A timed-out lookup: ask the server again how many chunks it locked, and free

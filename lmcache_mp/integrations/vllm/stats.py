@@ -12,7 +12,8 @@ Names and meanings (docs/vllm.md lists them beside LMCache's own connector's):
 * scheduler: ``lookups`` (prompts looked up, answered), ``lookup_tokens`` (their
   chunk-aligned tokens asked for), ``hit_tokens`` (tokens found on every server),
   ``lookup_seconds`` (submit to answer, per lookup; measured at the scheduler's
-  polls, so at most one step late);
+  polls, so at most one step late), ``lookups_given_up`` (not answered within
+  ``lmcache.mp.l2_load_timeout``: a miss);
 * workers, summed over ranks (each TP rank moves its own shard): ``loads`` /
   ``load_failures`` (RETRIEVEs done / failed or not sent: vLLM recomputed those
   blocks), ``loaded_tokens`` (tokens written into vLLM's blocks), ``stores`` /
@@ -31,7 +32,8 @@ __all__ = ["COUNTERS", "DURATIONS", "METRICS", "Counters", "Metric", "aggregate"
            "reduce"]
 
 #: Counts, summed over workers and intervals.
-COUNTERS = ("lookups", "lookup_tokens", "hit_tokens", "loads", "load_failures",
+COUNTERS = ("lookups", "lookup_tokens", "hit_tokens", "lookups_given_up", "loads",
+            "load_failures",
             "loaded_tokens", "stores", "store_failures", "skipped_stores", "stored_tokens")
 #: Per-operation durations in seconds, concatenated over workers and intervals.
 DURATIONS = ("lookup_seconds", "load_seconds", "store_seconds")
@@ -53,6 +55,9 @@ METRICS = (
            "Chunk-aligned prompt tokens looked up."),
     Metric("hit_tokens", "hit_tokens", "counter",
            "Looked-up tokens found on every LMCache server (the hit)."),
+    Metric("lookups_given_up", "lookups_given_up", "counter",
+           "Lookups not answered within lmcache.mp.l2_load_timeout (an L2 load too slow, "
+           "the tier stalled): the request went on as a miss."),
     Metric("loaded_tokens", "loaded_tokens", "counter",
            "Tokens of KV loaded into vLLM's blocks (summed over workers)."),
     Metric("stored_tokens", "stored_tokens", "counter",
