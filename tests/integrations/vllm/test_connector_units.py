@@ -882,7 +882,6 @@ def test_config_keys_are_lmcaches() -> None:
     ("lazy_offload_policy", "fifo", "lazy offload is not supported"),
     ("autostart", "true", "the server is started separately"),
     ("autostart.server_args", "--port 1", "does not start the server"),
-    ("eager_prefetch", True, "first asks for the request's hit"),
     ("nonblocking_lookup_status", False, "never block"),
     ("hash_algorithm", "sha256", "blake3"),
     ("isolated_ipc", True, "same IPC namespace"),
