@@ -122,6 +122,14 @@ class Client(ControlPlane, InstanceIdAPI):
         """What the last protocol probe found (None if none ran)."""
         return self._conn.detection
 
+    def adopt_protocol(self, family: str, *, source: str = "another process") -> bool:
+        """Use the wire family another process found on this server (e.g. vLLM's
+        workers, for its scheduler) instead of probing it again: each probe leaves
+        ERROR lines in the log of some releases. Valid for the current connection (or
+        the first, if none was made yet); a reconnect probes again. Returns whether it
+        was taken: not when the protocol was named or is already identified."""
+        return self._conn.adopt(family, source)
+
     @property
     def healthy(self) -> bool:
         """False while heartbeats go unanswered (updated once per heartbeat)."""

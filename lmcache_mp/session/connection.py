@@ -59,7 +59,8 @@ class Connection:
         # An unknown release name is a ProtocolMismatch (a release this client does not
         # speak), raised here before anything is sent.
         self._profile: Profile | None = get_profile(protocol) if self.fixed_protocol else None
-        self._profile_epoch = 0
+        #: The connections (transport epochs) the probed profile holds for.
+        self._profile_epochs: tuple[int, ...] = ()
         self.detection: Detection | None = None
         self._detect_lock = threading.Lock()
         self._chunk: tuple[int, int] | None = None  # (epoch, chunk size)
@@ -76,7 +77,7 @@ class Connection:
     def profile_for(self, seconds: float | None) -> Profile:
         """:attr:`profile`, probing within ``seconds`` (a call's time left) if needed."""
         p = self._profile
-        if p is not None and (self.fixed_protocol or self._profile_epoch == self.transport.epoch):
+        if p is not None and (self.fixed_protocol or self.transport.epoch in self._profile_epochs):
             return p
         return self._detect(seconds)
 
@@ -96,6 +97,27 @@ class Connection:
         finally:
             self._detect_lock.release()
 
+    def adopt(self, family: str, source: str) -> bool:
+        """Take the family another process found on this server (``source`` says who)
+        as this connection's, instead of probing: on the current connection, or on the
+        first one if none was made yet. A later reconnect probes again (it may reach a
+        restarted server). Returns whether it was taken (not with a named protocol,
+        one already identified, or between two connections)."""
+        profile = get_profile(family)  # an unknown family: ProtocolMismatch, as named
+        with self._detect_lock:
+            if self.fixed_protocol or self._current() is not None:
+                return False
+            epoch = self.transport.refresh()
+            if not self.transport.connected and epoch > 0:
+                return False  # the next connection may reach another server process
+            self._profile = profile
+            # Before the first connection: for it (epoch 1 once its event is seen).
+            self._profile_epochs = (epoch,) if self.transport.connected else (0, 1)
+            self.detection = Detection(profile.name, "/".join(profile.releases),
+                                       (f"told by {source}",))
+            self.transport.set_probe_frames([profile.op("NOOP").type_frame])
+            return True
+
     @property
     def identified(self) -> bool:
         """Whether the server's protocol is known on the current connection (a call
@@ -105,7 +127,7 @@ class Connection:
     def _current(self) -> Profile | None:
         """The profile, if it was identified on the current connection."""
         p = self._profile
-        if p is not None and (self.fixed_protocol or self._profile_epoch == self.transport.epoch):
+        if p is not None and (self.fixed_protocol or self.transport.epoch in self._profile_epochs):
             return p
         return None
 
@@ -139,7 +161,7 @@ class Connection:
         self.detection = detection
         profile = self._profile = get_profile(detection.profile)
         self.transport.set_probe_frames([profile.op("NOOP").type_frame])
-        self._profile_epoch = max(p.sent_epoch for p in pending.values())
+        self._profile_epochs = (max(p.sent_epoch for p in pending.values()),)
         return profile
 
     def _probe_exchange(
@@ -184,7 +206,7 @@ class Connection:
         probe needed first (a new connection) comes out of ``seconds``."""
         profile = self._profile
         if profile is None or not (self.fixed_protocol
-                                   or self._profile_epoch == self.transport.epoch):
+                                   or self.transport.epoch in self._profile_epochs):
             started = time.monotonic()
             profile = self._detect(seconds)
             seconds = max(seconds - (time.monotonic() - started), 0.001)

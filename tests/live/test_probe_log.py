@@ -18,18 +18,9 @@ from lmcache_mp import Client
 from lmcache_mp.cli import main as cli_main
 
 from ..conftest import SERVER_VERSION, LiveServer
+from ..support.probe_replay import PROBE_ERROR_LINES, error_records, is_probe_error
 
 pytestmark = pytest.mark.live
-
-#: ERROR lines one probe leaves, per release, as the tests start servers
-#: (scripts/lmcache-server.sh: observability off, so 0.5.6 lists no "kv_event_stream";
-#: started by default, with its event bus, it logs none: tests/protocol/test_detect.py).
-#: 0.5.3 / 0.5.4: the unanswered id 32, logged as two lines.
-PROBE_ERROR_LINES = {"0.5.3": 2, "0.5.4": 2, "0.5.5": 1, "0.5.6": 2, "0.5.7rc2": 0}
-
-
-def error_lines(server: LiveServer, since: int) -> list[str]:
-    return [ln for ln in server.log[since:].splitlines() if " ERROR" in ln]
 
 
 def settled_errors(server: LiveServer, since: int) -> list[str]:
@@ -42,7 +33,7 @@ def settled_errors(server: LiveServer, since: int) -> list[str]:
         now = len(server.log)
         still = still + 1 if now == size else 0
         size = now
-    return error_lines(server, since)
+    return error_records(server.log[since:])
 
 
 def test_a_probe_leaves_the_fewest_error_lines_and_a_named_family_none(
@@ -53,6 +44,7 @@ def test_a_probe_leaves_the_fewest_error_lines_and_a_named_family_none(
     out = capsys.readouterr().out
     probed = settled_errors(server, before)
     assert len(probed) == PROBE_ERROR_LINES[SERVER_VERSION], probed
+    assert all(map(is_probe_error, probed)), probed
     # info says what to paste to skip the probe everywhere ...
     family = {"0.5.3": "0.5.3", "0.5.4": "0.5.3", "0.5.5": "0.5.5", "0.5.6": "0.5.6",
               "0.5.7rc2": "0.5.7"}[SERVER_VERSION]

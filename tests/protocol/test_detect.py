@@ -16,12 +16,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from lmcache_mp import CacheKey, Client, ProtocolMismatch, RequestTimeout
+from lmcache_mp import CacheKey, Client, LMCacheMPError, ProtocolMismatch, RequestTimeout
 from lmcache_mp.protocol.detect import detect
 
 from ..conftest import SERVER_VERSION, LiveServer
 from ..support.fake_server import FakeServer
 from ..support.fixture_values import FIXTURES, RELEASES, load
+from ..support.polling import wait_until
 from ..support.probe_replay import Replay, record
 
 URL = "tcp://127.0.0.1:1"
@@ -192,6 +193,44 @@ def test_client_auto_detects_the_scripted_server_of_each_family(family: str) -> 
             assert c.server_protocol == family
             assert c.detection is not None and c.detection.profile == family
             assert c.noop() == "OK"
+    finally:
+        fake.close()
+
+
+def test_a_family_adopted_from_another_process_sends_no_probe_until_a_reconnect() -> None:
+    """What vLLM's scheduler does with its workers' answer (issue 37): adopted before
+    the first connection or on it, no probe question reaches the server; once
+    identified, nothing more is adopted; a reconnect (maybe a restarted server of
+    another release) probes again."""
+    fake = FakeServer(profile="0.5.7", engine_driven=False)
+    try:
+        with Client(fake.url, timeout=2) as c:
+            assert c.adopt_protocol("0.5.7", source="vLLM's workers")
+            assert c.protocol_identified and c.server_protocol == "0.5.7"
+            assert c.noop() == "OK" and c.chunk_size() > 0
+            assert c.detection is not None and c.detection.evidence == ("told by vLLM's workers",)
+            assert fake.ops() == ["NOOP", "GET_CHUNK_SIZE"]  # no probe question
+            assert not c.adopt_protocol("0.5.6")  # already identified: kept
+            assert c.server_protocol == "0.5.7"
+            fake.restart()
+
+            def answered() -> bool:
+                try:
+                    return bool(c.noop() == "OK")
+                except LMCacheMPError:
+                    return False
+
+            # Probed again on the new connection (the first call after the restart may
+            # still go out before the client has seen the connection change).
+            assert wait_until(lambda: answered() and c.detection is not None
+                              and c.detection.evidence[0] == "id 2 -> <ack>", timeout=10)
+            assert "GET_EXPERIMENTAL" in fake.ops()
+        with Client(fake.url, timeout=2, protocol="0.5.7") as named:
+            assert not named.adopt_protocol("0.5.6")  # a named family is never replaced
+            assert named.server_protocol == "0.5.7"
+        with pytest.raises(ProtocolMismatch, match="no protocol profile"), \
+                Client(fake.url, timeout=2) as c:
+            c.adopt_protocol("0.9")
     finally:
         fake.close()
 

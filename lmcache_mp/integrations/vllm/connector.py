@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -48,6 +49,15 @@ class LMCacheMPClientMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.step = step
 
 
+class ProtocolFamilies(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """A worker's answer to "which wire family does my server speak" (server URL ->
+    family), handed by vLLM to the scheduler once every worker registered, so that the
+    scheduler sends no protocol probe of its own (issue 37)."""
+
+    def __init__(self, families: dict[str, str]) -> None:
+        self.families = families
+
+
 class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM KV connector for an LMCache MP server, built on lmcache_mp."""
 
@@ -73,6 +83,11 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         cfg = self.cfg
+        # vLLM hands one connector's handshake metadata from the workers to the
+        # scheduler; inside a MultiConnector only the first sub-connector's that is not
+        # None travels (NIXL's, which must), so there this connector hands over none.
+        self._hand_over = getattr(self._kv_transfer_config, "kv_connector",
+                                  None) == type(self).__name__
 
         def client(url: str) -> Client:
             return Client(url, timeout=cfg.mq_timeout, heartbeat_interval=cfg.heartbeat_interval,
@@ -85,7 +100,10 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.scheduler = SchedulerSide(
                 self.cfg, clients, model_name=self.model_name, kv_world_size=kv_world,
                 lookup_tp_size=max(1, tp // n), block_size=self.block_size, mla=self.mla,
-                kv_role=str(self._kv_transfer_config.kv_role or "kv_both"))
+                kv_role=str(self._kv_transfer_config.kv_role or "kv_both"),
+                # Its first health check waits for the workers' protocol families
+                # (set_xfer_handshake_metadata), or runs when a lookup first needs it.
+                initial_check=not self._hand_over)
         else:
             place = placement(self.cfg.server_urls, world, rank, mla=self.mla, tp_size=tp)
             self.worker = WorkerSide(self.cfg, client(place.url), place,
@@ -171,6 +189,30 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self.scheduler.shutdown()
             for client in self.scheduler.clients.values():
                 client.close()
+
+    # ================================================ one protocol probe per engine
+    # Workers register (and so probe their server) before any other process could tell
+    # them the answer; vLLM then collects each worker's handshake metadata for the
+    # scheduler, which takes the families from there instead of probing again.
+    def get_handshake_metadata(self) -> ProtocolFamilies | None:
+        worker = self.worker
+        if not self._hand_over or worker is None or not worker.client.protocol_identified:
+            return None
+        return ProtocolFamilies({worker.place.url: worker.client.server_protocol})
+
+    def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
+        if self.scheduler is None:
+            return
+        for meta in metadata.values():
+            for url, family in getattr(meta, "families", {}).items():
+                client = self.scheduler.clients.get(url)
+                if client is not None and client.adopt_protocol(family,
+                                                                source="vLLM's workers"):
+                    log.info("lmcache_mp connector: server %s speaks %s (its workers' "
+                             "probe); the scheduler sends none", url, family)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[Any, Any]) -> None:
+        self.set_xfer_handshake_metadata(metadata)  # every pipeline stage's workers
 
     # ========================================================= scheduler side
     def on_new_request(self, request: Any) -> None:

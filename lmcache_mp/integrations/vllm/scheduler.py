@@ -134,7 +134,7 @@ class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, clients: dict[str, Any], *, model_name: str,
                  kv_world_size: int, block_size: int, lookup_tp_size: int = 1,
                  mla: bool = False, start_health: bool = True,
-                 kv_role: str = "kv_both") -> None:
+                 kv_role: str = "kv_both", initial_check: bool = True) -> None:
         self.cfg = cfg
         self.clients = clients
         self.model_name = model_name
@@ -147,7 +147,7 @@ class SchedulerSide:
         self.loads = kv_role != "kv_producer"
         self.stores = kv_role != "kv_consumer"
         self.trackers: dict[str, Tracker] = {}
-        self.chunk_size: int | None = None
+        self._chunk_size: int | None = None
         self.healthy = {url: False for url in clients}
         self._background: list[Any] = []  # fire-and-forget futures, reaped each step
         #: Until when (monotonic) this step's lookups may wait for answers (0: not set).
@@ -167,7 +167,12 @@ class SchedulerSide:
         self._stop = threading.Event()
         self._health_lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self.check_health()
+        #: Whether a health check ran; without ``initial_check`` the first runs when
+        #: first needed (the connector lets vLLM hand the workers' protocol families
+        #: over first, so that this process sends no probe of its own).
+        self._checked = False
+        if initial_check:
+            self.check_health()
         if start_health:
             self._thread = threading.Thread(target=self._health_loop, daemon=True,
                                             name="lmcache-mp-vllm-health")
@@ -181,8 +186,8 @@ class SchedulerSide:
             for url, client in self.clients.items():
                 try:
                     client.noop(timeout=self.cfg.health_interval)
-                    if self.chunk_size is None:
-                        self.chunk_size = int(client.chunk_size(timeout=self.cfg.mq_timeout))
+                    if self._chunk_size is None:
+                        self._chunk_size = int(client.chunk_size(timeout=self.cfg.mq_timeout))
                     ok = True
                 except LMCacheMPError as err:
                     ok = False
@@ -192,10 +197,19 @@ class SchedulerSide:
                 if ok and not self.healthy[url]:
                     log.info("lmcache_mp connector: server %s answers", url)
                 self.healthy[url] = ok
+            self._checked = True  # a failed first check is not rerun on every read
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.cfg.health_interval):
             self.check_health()
+
+    @property
+    def chunk_size(self) -> int | None:
+        """The servers' chunk size, None until one answered. Without ``initial_check``
+        the first read runs the first health check (see ``__init__``)."""
+        if not self._checked:
+            self.check_health()
+        return self._chunk_size
 
     def all_healthy(self) -> bool:
         return self.chunk_size is not None and all(self.healthy.values())

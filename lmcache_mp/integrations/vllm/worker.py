@@ -200,6 +200,11 @@ class WorkerSide:
                 reg.unregister(timeout=min(self.cfg.mq_timeout, 10.0))
             except LMCacheMPError as err:
                 log.warning("lmcache_mp connector: unregister before sleep: %s", err)
+            # Wake-up wraps the new memory in a new cache: this one's device resources
+            # (the gather path's staging buffer, up to LMCACHE_MP_STAGING_MB) go now.
+            close = getattr(getattr(reg, "cache", None), "close", None)
+            if close is not None:
+                close()
             log.info("lmcache_mp connector: rank %d unregistered instance %d (vLLM "
                      "releases its KV cache's memory)", self.place.kv_worker_id,
                      reg.instance_id)

@@ -64,6 +64,7 @@ from tests.integrations.vllm.engines import (
     vllm_temp_files,
 )
 from tests.support.live_helpers import both_modes_args
+from tests.support.probe_replay import PROBE_ERROR_LINES, error_records, is_probe_error
 
 pytestmark = pytest.mark.live
 
@@ -546,6 +547,18 @@ def test_a_fresh_engines_first_forward_pass_is_a_full_hit(
                                  else ("no AMX",)), worker
 
 
+def at_exit(errors: list[str], probed: list[str]) -> None:
+    """Besides the probe's, the only ERROR lines an engine leaves are at its exit: vLLM
+    shuts its workers down (they unregister) before its scheduler, whose END_SESSIONs of
+    requests finished in the last step then end the session but fail LMCache 0.5.6+'s
+    LRU touch of their keys ("No attention-window descriptor registered"): at most one
+    per prompt of that last step."""
+    rest = [r for r in errors if r not in probed]
+    assert all("in end_session" in r and "No attention-window descriptor" in r
+               for r in rest), rest
+    assert len(rest) <= len(TP)
+
+
 @one_release
 @pytest.mark.alone  # two ranks that spin-wait on each other need both cores to themselves
 def test_tensor_parallel_two_ranks(engines: Engines, server: LiveServer) -> None:
@@ -555,9 +568,21 @@ def test_tensor_parallel_two_ranks(engines: Engines, server: LiveServer) -> None
     spec = {**ours(server.url), "tp": 2, "prompts": TP, "max_tokens": 8}
     system_tmp = Path(tempfile.gettempdir())
     before = vllm_temp_files(system_tmp)
+    log_at = len(server.log)
     cold = engines.run(spec, timeout=600)
     assert stats(cold)["stored"] >= 2 * 2  # every prompt's chunks, on both ranks
-    warm = engines.run(spec, timeout=600)
+    # The ERROR lines the engine left in the server's log (issue 37): with the family
+    # probed ("auto"), one probe per worker; the scheduler takes the workers' answer
+    # (vLLM's handshake metadata) and sends none. With it named: no probe at all.
+    cold_errors = error_records(server.log[log_at:])
+    probed = [r for r in cold_errors if is_probe_error(r)]
+    assert len(probed) == 2 * PROBE_ERROR_LINES[server.version], probed
+    at_exit(cold_errors, probed)
+    log_at = len(server.log)
+    family = {"0.5.6": "0.5.6", "0.5.7rc2": "0.5.7"}.get(server.version, server.version)
+    named = {**spec, "extra": {**spec["extra"], "lmcache.mp.protocol": family}}
+    warm = engines.run(named, timeout=600)
+    at_exit(error_records(server.log[log_at:]), [])
     assert cached(warm) == [whole_chunks(p) for p in TP]
     assert stats(warm)["retrieved"] == 2 * 2 and stats(warm)["load_errors"] == 0
     same_output(warm["rounds"][0]["outputs"], cold["rounds"][0]["outputs"], 0.0)
