@@ -53,6 +53,14 @@ class Pool:
     #: the map): a GPU copy that page-locked the pool adds the unlocking here.
     before_unmap: set[Callable[[np.ndarray], None]] = field(
         default_factory=set, repr=False, compare=False)
+    #: The GPU copies' record of this mapping's page-locking (shared by every user of
+    #: the map, gone with it: a new mapping at a reused address starts afresh).
+    pinning: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: Called with every pool the client maps from now on (shared by the client's
+    #: pools): the GPU copies page-lock a restarted server's new pool when it is mapped,
+    #: on a thread of their own, not in the first copy that needs it.
+    on_new_map: list[Callable[[Pool], None]] = field(
+        default_factory=list, repr=False, compare=False)
 
     def prepare(self, slots: Sequence[PoolSlot]) -> None:
         """Map the pages of ``slots`` in bulk before a copy touches them."""
@@ -70,9 +78,12 @@ class _Mapping:
     pages: PageMapper
     users: int = 0
     before_unmap: set[Callable[[np.ndarray], None]] = field(default_factory=set)
+    pinning: dict[str, Any] = field(default_factory=dict)
 
-    def pool(self, name: str, size: int, epoch: int) -> Pool:
-        return Pool(name, size, epoch, self.view, self.pages, self.before_unmap)
+    def pool(self, name: str, size: int, epoch: int,
+             on_new_map: list[Callable[[Pool], None]]) -> Pool:
+        return Pool(name, size, epoch, self.view, self.pages, self.before_unmap,
+                    self.pinning, on_new_map)
 
     def unmap(self) -> None:
         for hook in list(self.before_unmap):
@@ -94,7 +105,11 @@ class PoolMaps:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: dict[tuple[str, int], _Mapping] = {}  # by (name, epoch)
+        # Mappings replaced by a larger one of the same pool while still used: unmapped
+        # (their hooks run) when their last user releases them.
+        self._replaced: list[_Mapping] = []
         self._workers: CopyWorkers | None = None
+        self._on_new_map: list[Callable[[Pool], None]] = []
 
     @property
     def workers(self) -> CopyWorkers:
@@ -110,14 +125,22 @@ class PoolMaps:
         with self._lock:
             key = (name, epoch)
             entry = self._maps.get(key)
-            if entry is None or entry.view.size < size:
+            fresh = entry is None or entry.view.size < size
+            if fresh:
                 import numpy as np
 
+                if entry is not None:  # the pool grew: the old mapping goes with its users
+                    self._replaced.append(entry)
                 pool = map_existing(name, size)
                 entry = self._maps[key] = _Mapping(pool, np.frombuffer(pool, dtype=np.uint8),
                                                    PageMapper(pool, size))
+            assert entry is not None
             entry.users += 1
-            return entry.pool(name, size, epoch)
+            mapped = entry.pool(name, size, epoch, self._on_new_map)
+            hooks = list(self._on_new_map) if fresh else []
+        for hook in hooks:  # e.g. start page-locking it, on a thread of its own
+            hook(mapped)
+        return mapped
 
     def release(self, pool: Pool | None) -> None:
         if pool is None:
@@ -126,17 +149,25 @@ class PoolMaps:
         with self._lock:
             entry = self._maps.get(key)
             if entry is None or entry.view is not pool.view:
-                return
-            entry.users -= 1
-            if entry.users:
-                return
-            del self._maps[key]
+                entry = next((e for e in self._replaced if e.view is pool.view), None)
+                if entry is None:
+                    return
+                entry.users -= 1
+                if entry.users:
+                    return
+                self._replaced.remove(entry)
+            else:
+                entry.users -= 1
+                if entry.users:
+                    return
+                del self._maps[key]
         entry.unmap()
 
     def close(self) -> None:
         with self._lock:
-            entries = list(self._maps.values())
+            entries = list(self._maps.values()) + self._replaced
             self._maps.clear()
+            self._replaced = []
             workers, self._workers = self._workers, None
         if workers is not None:
             workers.close()
@@ -197,11 +228,10 @@ def copy_into_slots(
     # writes nothing.
     targets = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
-        from ..ipc.cuda.staging import device_copy_into_slots, unpin
+        from ..ipc.cuda.staging import device_copy_into_slots
 
-        pool.before_unmap.add(unpin)  # the copy page-locks the pool, until it is unmapped
-        device_copy_into_slots(cache, ids, targets, chunk_indices, pool.view, chunk_size,
-                               stream)
+        # The copies page-lock the pool (until it is unmapped: a before_unmap hook).
+        device_copy_into_slots(cache, ids, targets, chunk_indices, pool, chunk_size, stream)
         return
     from ..ipc.paged_copy import gather_tasks
 
@@ -233,10 +263,9 @@ def copy_from_slots(
     sources = [slot_view(pool, slot, g, chunk_size) for slot in slots]
     skip_blocks = skip_first_n_tokens // g.block_size
     if not isinstance(cache, CpuKVCache):  # a GPU cache: CUDA copies on ``stream``
-        from ..ipc.cuda.staging import device_copy_from_slots, unpin
+        from ..ipc.cuda.staging import device_copy_from_slots
 
-        pool.before_unmap.add(unpin)  # the copy page-locks the pool, until it is unmapped
-        device_copy_from_slots(cache, ids, sources, pool.view, chunk_size, skip_blocks, stream)
+        device_copy_from_slots(cache, ids, sources, pool, chunk_size, skip_blocks, stream)
         return
     from ..ipc.paged_copy import scatter_tasks
 

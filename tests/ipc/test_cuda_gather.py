@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from lmcache_mp.ipc.base import KVGeometry
-from lmcache_mp.ipc.cuda import CudaError, CudaKVCache, gather, staging
+from lmcache_mp.ipc.cuda import CudaKVCache, gather, staging
 from lmcache_mp.protocol.types import PoolSlot
 from lmcache_mp.session.engine_driven import Pool, copy_from_slots, copy_into_slots
 
@@ -111,10 +111,14 @@ def pool_and_slots(g: KVGeometry, n: int, seed: int | None = None
 
 
 def run_store(g: KVGeometry, path: str, ids: np.ndarray, order: list[int],
-              monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, FakeDriver, CudaKVCache]:
+              monkeypatch: pytest.MonkeyPatch, limit: int | None = None
+              ) -> tuple[bytes, FakeDriver, CudaKVCache]:
+    """STORE chunks ``order`` of ``ids`` by ``path``; ``limit``: the device memory
+    torch's allocator can still give (FakeDriver.buffer_limit)."""
     monkeypatch.setenv("LMCACHE_MP_GPU_COPY", path)
     forget_pins()
     drv, cache, _ = fake_cache(g, seed=11)
+    drv.buffer_limit = limit
     pool, slots, buf = pool_and_slots(g, len(order))
     copy_into_slots(cache, ids, slots, order, pool, CHUNK, stream=STREAM)  # type: ignore[arg-type]
     assert (cache.gather_copier() is None) == (path == "plan")
@@ -122,14 +126,27 @@ def run_store(g: KVGeometry, path: str, ids: np.ndarray, order: list[int],
 
 
 def run_retrieve(g: KVGeometry, path: str, ids: np.ndarray, skip_tokens: int,
-                 monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, FakeDriver, CudaKVCache]:
+                 monkeypatch: pytest.MonkeyPatch, limit: int | None = None
+                 ) -> tuple[bytes, FakeDriver, CudaKVCache]:
     monkeypatch.setenv("LMCACHE_MP_GPU_COPY", path)
     forget_pins()
     drv, cache, raws = fake_cache(g, seed=12)
+    drv.buffer_limit = limit
     per = CHUNK // g.block_size
     pool, slots, _ = pool_and_slots(g, len(ids) // per, seed=13)
     copy_from_slots(cache, ids, slots, pool, CHUNK, skip_tokens, stream=STREAM)  # type: ignore[arg-type]
     return b"".join(r.tobytes() for r in raws), drv, cache
+
+
+def chunk_dmas(drv: FakeDriver) -> list[tuple[Any, ...]]:
+    """The copies of chunk objects (not the one-row copy of the block ids)."""
+    return [c for c in drv.calls if c[0] == "memcpy3d" or (c[0] == "memcpy2d" and c[6] > 1)]
+
+
+def index_copies(drv: FakeDriver) -> list[int]:
+    """The streams the block-id copies (pinned host -> device, one row) went on."""
+    return [c[-1] for c in drv.calls if c[0] == "memcpy2d" and c[6] == 1
+            and c[3] in drv.host_allocs]
 
 
 def block_ids(g: KVGeometry, chunks: int, seed: int) -> np.ndarray:
@@ -148,12 +165,20 @@ def test_store_gathers_the_bytes_the_plan_copies(name: str,
     got, drv, cache = run_store(g, "gather", ids, [1, 0], monkeypatch)
     assert got == want
     assert any(want), "the objects were written"
-    # One DMA per chunk object, each a 2-D copy of (planes x layers) rows, on the
-    # caller's stream, synchronised last; no 3-D copy, no per-head copy.
-    dmas = [c for c in drv.calls if c[0] in ("memcpy2d", "memcpy3d")]
+    # The block ids to the device (one copy on the caller's stream), then one DMA per
+    # chunk object, each a 2-D copy of (planes x layers) rows: two rounds through two
+    # staging regions, so the DMAs go on the cache's copy stream (overlapping the next
+    # gather), the gathers on the caller's stream; no 3-D copy, no per-head copy.
+    dmas = chunk_dmas(drv)
     assert [c[0] for c in dmas] == ["memcpy2d", "memcpy2d"]
-    assert all(c[6] == g.kv_planes * g.num_layers and c[-1] == STREAM for c in dmas)
-    assert drv.calls[-1] == ("stream_sync", STREAM) and not drv.queued
+    assert all(c[6] == g.kv_planes * g.num_layers for c in dmas)
+    copy_stream = dmas[0][-1]
+    assert copy_stream != STREAM and {c[-1] for c in dmas} == {copy_stream}
+    assert index_copies(drv) == [STREAM]
+    assert {s for name, s in drv.streams.issued if name.startswith("torch")} == {STREAM}
+    # The host waited for both streams last (so COMMIT finds nothing running).
+    assert drv.calls[-3:-1] == [("stream_sync", copy_stream), ("stream_sync", STREAM)]
+    assert not drv.streams.unfinished() and not drv.races
     copier = cache.gather_copier()
     assert copier is not None and copier.staging_bytes == 2 * len(want) // 4
 
@@ -169,9 +194,10 @@ def test_retrieve_scatters_the_bytes_the_plan_copies(name: str, skip_tokens: int
     want, _, _ = run_retrieve(g, "plan", ids, skip_tokens, monkeypatch)
     got, drv, _ = run_retrieve(g, "gather", ids, skip_tokens, monkeypatch)
     assert got == want  # the retrieved blocks, and every other byte left as it was
-    dmas = [c for c in drv.calls if c[0] in ("memcpy2d", "memcpy3d")]
+    dmas = chunk_dmas(drv)
     assert {c[0] for c in dmas} <= {"memcpy2d"} and len(dmas) <= 2
-    assert {c[-1] for c in dmas} <= {STREAM} and drv.calls[-1] == ("stream_sync", STREAM)
+    assert drv.calls[-1] == ("stream_sync", STREAM)
+    assert not drv.streams.unfinished() and not drv.races
 
 
 @pytest.mark.parametrize("name", ["hnd", "blocks-first-nhd", "mla"])
@@ -188,10 +214,13 @@ def test_rounds_through_a_small_staging_buffer(name: str,
     obj = int(np.prod(object_shape(g))) * g.itemsize
     monkeypatch.setattr(gather, "STAGING_LIMIT_BYTES", 2 * obj)
     got, drv, cache = run_store(g, "gather", ids, [4, 2, 0, 1, 3], monkeypatch)
-    assert got == want
+    assert got == want and not drv.races
     copier = cache.gather_copier()
     assert copier is not None and copier.staging_bytes == 2 * obj
-    assert sum(c[0] == "malloc" for c in drv.calls) == 1  # allocated once, reused
+    # Allocated once (the index buffer besides), reused: rounds of one object through
+    # two regions, each DMA'd on the copy stream while the next is gathered.
+    assert [c[1] for c in drv.calls if c[0] == "alloc_buffer"] == [2 * obj, 4096]
+    assert len(chunk_dmas(drv)) == 5
     back_want, _, _ = run_retrieve(g, "plan", ids, CHUNK + 8, monkeypatch)
     back_got, _, _ = run_retrieve(g, "gather", ids, CHUNK + 8, monkeypatch)
     assert back_got == back_want
@@ -204,12 +233,13 @@ def test_a_planted_wrong_index_is_caught(monkeypatch: pytest.MonkeyPatch) -> Non
     ids = block_ids(g, 2, seed=4)
     want, _, _ = run_store(g, "plan", ids, [0, 1], monkeypatch)
     back_want, _, _ = run_retrieve(g, "plan", ids, 0, monkeypatch)
-    real_index = gather.GatherCopier._index
+    real_prepare = gather.GatherCopier._prepare
 
-    def off_by_one(self: Any, ids: np.ndarray) -> Any:
-        return real_index(self, (np.asarray(ids) + 1) % g.num_blocks)
+    def off_by_one(self: Any, chunk_tokens: int, n: int, ids: np.ndarray, stream: int) -> Any:
+        return real_prepare(self, chunk_tokens, n, (np.asarray(ids) + 1) % g.num_blocks,
+                            stream)
 
-    monkeypatch.setattr(gather.GatherCopier, "_index", off_by_one)
+    monkeypatch.setattr(gather.GatherCopier, "_prepare", off_by_one)
     got, _, _ = run_store(g, "gather", ids, [0, 1], monkeypatch)
     back_got, _, _ = run_retrieve(g, "gather", ids, 0, monkeypatch)
     assert got != want and back_got != back_want
@@ -243,14 +273,18 @@ def test_repeated_block_ids_keep_the_ordered_plan(monkeypatch: pytest.MonkeyPatc
 
 def test_the_staging_buffer_is_freed_with_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     g = GEOMETRIES["nhd"]
-    _, drv, cache = run_store(g, "gather", block_ids(g, 1, seed=6), [0], monkeypatch)
+    _, drv, cache = run_store(g, "gather", block_ids(g, 2, seed=6), [0, 1], monkeypatch)
     copier = cache.gather_copier()
     assert copier is not None
-    staged = [c[1] for c in drv.calls if c[0] == "malloc"]
-    assert staged == [copier.staging_bytes]
+    # Staging and the device index from torch's allocator, the index's pinned host
+    # side, the copy stream and its four events.
+    staged = [c[1] for c in drv.calls if c[0] == "alloc_buffer"]
+    assert staged == [copier.staging_bytes, 4096]
+    assert drv.live_resources() == {"device": 2, "host": 1, "streams": 1, "events": 4}
     cache.close()
-    assert len(drv.freed) == 1 and drv.allocs[drv.freed[0]][0] == staged[0]
-    assert drv.freed[0] not in cache.layer_ptrs
+    cache.close()  # idempotent
+    assert drv.live_resources() == {"device": 0, "host": 0, "streams": 0, "events": 0}
+    assert not set(drv.freed) & set(cache.layer_ptrs)
 
 
 def test_the_unit_is_the_widest_that_divides_rows_strides_and_addresses() -> None:
@@ -273,27 +307,58 @@ def test_plan_env_and_missing_torch_say_why(monkeypatch: pytest.MonkeyPatch) -> 
 def test_no_memory_for_staging_falls_back_to_the_plan(monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture
                                                       ) -> None:
-    """An engine at its memory limit (vLLM's gpu_memory_utilization): cudaMalloc of the
-    staging buffer fails before anything is queued, and the transfer still moves every
-    byte, by the copy plan, saying why once."""
+    """An engine at its memory limit (vLLM's gpu_memory_utilization): not even one
+    chunk object of staging fits, before anything is queued, and the transfer still
+    moves every byte, by the copy plan, saying why once (copy_path says it too)."""
     g = GEOMETRIES["hnd"]
     ids = block_ids(g, 2, seed=7)
     want, _, _ = run_store(g, "plan", ids, [1, 0], monkeypatch)
     monkeypatch.setattr(staging, "_staging_warned", [])
-
-    def no_memory(self: FakeDriver, nbytes: int) -> int:
-        raise CudaError("cudaMalloc failed: cudaErrorMemoryAllocation (2)", call="cudaMalloc",
-                        code=2)
-
-    monkeypatch.setattr(FakeDriver, "malloc", no_memory)
+    obj = int(np.prod(object_shape(g))) * g.itemsize
     with caplog.at_level("WARNING", logger="lmcache_mp"):
-        got, drv, cache = run_store(g, "gather", ids, [1, 0], monkeypatch)
+        got, drv, cache = run_store(g, "gather", ids, [1, 0], monkeypatch, limit=obj - 1)
         back_want, _, _ = run_retrieve(g, "plan", ids, 8, monkeypatch)
-        back_got, _, _ = run_retrieve(g, "gather", ids, 8, monkeypatch)
+        back_got, _, _ = run_retrieve(g, "gather", ids, 8, monkeypatch, limit=obj - 1)
     assert got == want and back_got == back_want
-    assert sum(c[0].startswith("memcpy") for c in drv.calls) > 2  # the plan's copies
+    assert len(chunk_dmas(drv)) > 2  # the plan's copies
     assert caplog.text.count("fall back to the copy plan") == 1
     assert "LMCACHE_MP_STAGING_MB" in caplog.text
+    assert cache.copy_path.startswith("plan: cannot allocate one chunk object")
+    # Asked 2, then 1 chunk objects, once: later transfers do not ask again (a refusal
+    # makes torch free its cache and retry, not for every transfer).
+    asked = [c[1] for c in drv.calls if c[0] == "alloc_buffer_refused"]
+    assert asked == [2 * obj, obj]
+    copy_into_slots(cache, ids, *pool_and_slots(g, 2)[1:2], [1, 0],  # type: ignore[arg-type]
+                    pool_and_slots(g, 2)[0], CHUNK, stream=STREAM)
+    assert [c[1] for c in drv.calls if c[0] == "alloc_buffer_refused"] == asked
+
+
+@pytest.mark.parametrize("name", ["hnd", "blocks-first-nhd"])
+def test_near_the_limit_staging_is_retried_smaller(name: str, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Room for 1 chunk object of the 4 a transfer asks for: staging of one object
+    (asked 4, 2, then 1), the transfer in rounds through it, the same bytes; the log
+    and copy_path say what was chosen and why, once."""
+    g = GEOMETRIES[name]
+    g = KVGeometry(g.num_layers, 3 * g.num_blocks, g.block_size, g.num_heads, g.head_dim,
+                   g.dtype, g.mla, g.layout, g.fused, g.block_stride)
+    ids = block_ids(g, 4, seed=8)
+    want, _, _ = run_store(g, "plan", ids, [3, 1, 0, 2], monkeypatch)
+    obj = int(np.prod(object_shape(g))) * g.itemsize
+    with caplog.at_level("WARNING", logger="lmcache_mp"):
+        got, drv, cache = run_store(g, "gather", ids, [3, 1, 0, 2], monkeypatch,
+                                    limit=obj + 4096)
+    assert got == want and not drv.races
+    assert [c[1] for c in drv.calls if c[0] == "alloc_buffer_refused"] == [4 * obj, 2 * obj]
+    copier = cache.gather_copier()
+    assert copier is not None and copier.staging_bytes == obj
+    assert "staging holds 1 of 4 chunk objects" in cache.copy_path, cache.copy_path
+    assert caplog.text.count("staging buffer holds 1 of 4") == 1
+    assert len(chunk_dmas(drv)) == 4  # still one DMA per chunk object
+    back_want, _, _ = run_retrieve(g, "plan", ids, CHUNK + 8, monkeypatch)
+    back_got, drv2, _ = run_retrieve(g, "gather", ids, CHUNK + 8, monkeypatch,
+                                     limit=obj + 4096)
+    assert back_got == back_want and not drv2.races
 
 
 # ------------------------------------------------------------------ GPU

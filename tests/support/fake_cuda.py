@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+import time
 from collections.abc import Container, Sequence
 from typing import Any
 
@@ -26,13 +28,14 @@ import numpy as np
 from lmcache_mp.ipc.cuda import IPC_HANDLE_SIZE, CudaError, DeviceInfo, torch_uuid_string
 from lmcache_mp.ipc.cuda.vmm import HANDLE_TYPE_POSIX_FD
 
+from .fake_streams import StreamModel, torch_on_stream
+
 UUID16 = bytes.fromhex("1f2e3d4c5b6a7988a7b6c5d4e3f2a1b0")
 UUID_STR = "1f2e3d4c-5b6a-7988-a7b6-c5d4e3f2a1b0"
 #: CUDA's VMM granularity on current GPUs (cuMemGetAllocationGranularity, MINIMUM).
 GRANULE = 2 << 20
 #: The page of PyTorch's expandable segments in its large pool (one handle each).
 EXPANDABLE_PAGE = 20 << 20
-
 
 
 class FakeDriver:
@@ -74,7 +77,15 @@ class FakeDriver:
         self.allow_pageable = False  # copies from unpinned host memory (else asserted)
         self.fail_host_register = False
         self.refuse_3d = False  # memcpy_3d_async raises (the 2-D fallback)
-        self.queued: list[tuple[int, Any]] = []  # (stream, copy)
+        # Streams, events and host waits by CUDA's rules (fake_streams.py): copies run
+        # as late as CUDA allows, an unordered access across streams is a race.
+        self.streams = StreamModel()
+        self.next_stream = 0x57_0000
+        self.live_streams: set[int] = set()
+        self.host_allocs: dict[int, np.ndarray] = {}  # cudaMallocHost: address -> bytes
+        self.buffer_limit: int | None = None  # bytes alloc_buffer may hold (None: any)
+        self.slow_host_register = 0.0  # seconds a cudaHostRegister takes
+        self.host_register_gate: threading.Event | None = None  # it waits for this
         self.ipc_supported = True  # False: Tegra (cudaIpcGetMemHandle unsupported)
         self.compute_capability = (9, 0)
         self.total_memory = 1 << 30
@@ -356,11 +367,21 @@ class FakeDriver:
         ev = self.next_event
         self.next_event += 1
         self.events[ev] = {"kind": "ours", "destroyed": False, "recorded_on": None,
-                           "device": self.device}
+                           "device": self.device, "captured": {}}
+        return ev
+
+    def event_create(self) -> int:
+        """cudaEventCreateWithFlags(cudaEventDisableTiming): an event of this process."""
+        ev = self.event_create_ipc()
+        self.events[ev]["kind"] = "plain"
+        self.calls.append(("event_create", ev))
         return ev
 
     def event_record(self, event: int, stream: int) -> None:
+        assert not self.events[event]["destroyed"], "recorded a destroyed event"
         self.events[event]["recorded_on"] = stream
+        # "Captures in event the contents of stream at the time of this call".
+        self.events[event]["captured"] = self.streams.record(stream)
 
     def ipc_get_event_handle(self, event: int) -> bytes:
         return b"E" + event.to_bytes(8, "little") + bytes(IPC_HANDLE_SIZE - 9)
@@ -378,10 +399,13 @@ class FakeDriver:
     def stream_wait_event(self, stream: int, event: int) -> None:
         assert not self.events[event]["destroyed"], "waited on a destroyed event"
         self.calls.append(("wait", stream, self.events[event].get("handle")))
+        # A server's event (opened from its handle) orders none of this process's work.
+        self.streams.wait(stream, self.events[event].get("captured", {}))
 
     def event_synchronize(self, event: int) -> None:
         assert not self.events[event]["destroyed"]
         self.calls.append(("event_sync", self.events[event].get("handle")))
+        self.streams.synchronize_captured(self.events[event].get("captured", {}))
 
     def event_destroy(self, event: int) -> None:
         assert not self.events[event]["destroyed"], "destroyed twice"
@@ -392,9 +416,26 @@ class FakeDriver:
         self.calls.append(("stream_sync", stream))
         self.run_queued(stream)
 
+    def stream_create(self) -> int:
+        """cudaStreamCreateWithFlags(cudaStreamNonBlocking), as torch makes its own."""
+        self.next_stream += 0x10
+        self.live_streams.add(self.next_stream)
+        self.calls.append(("stream_create", self.next_stream))
+        return self.next_stream
+
+    def stream_destroy(self, stream: int) -> None:
+        # CUDA lets work still queued finish after cudaStreamDestroy returns.
+        assert stream in self.live_streams, "destroyed a stream twice (or not ours)"
+        self.live_streams.discard(stream)
+        self.calls.append(("stream_destroy", stream))
+
     # engine-driven copies and the doctor
     def host_register(self, ptr: int, nbytes: int) -> None:
         self.calls.append(("host_register", ptr, nbytes))
+        if self.slow_host_register:
+            time.sleep(self.slow_host_register)
+        if self.host_register_gate is not None:
+            assert self.host_register_gate.wait(60), "the test never opened the gate"
         if self.fail_host_register:
             raise CudaError("cudaHostRegister failed: cudaErrorMemoryAllocation (2)",
                             call="cudaHostRegister", code=2)
@@ -418,8 +459,18 @@ class FakeDriver:
             buf = self.backing.setdefault(base, np.zeros(size, np.uint8))
             return buf[ptr - base: ptr - base + nbytes]
         pinned = any(a <= ptr and ptr + nbytes <= a + n for a, n in self.pinned.items())
-        assert pinned or self.allow_pageable, f"host memory 0x{ptr:x} is not page-locked"
+        assert pinned or self.allow_pageable or _being_pinned(ptr, nbytes), \
+            f"host memory 0x{ptr:x} is not page-locked"
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+    def _rows(self, ptr: int, pitch: int, width: int, rows: int) -> list[tuple[int, int]]:
+        """The host address ranges of ``rows`` rows of ``width`` bytes, ``pitch`` apart
+        (checked now: CUDA checks pointers when the copy is queued)."""
+        out = []
+        for r in range(rows):
+            at = int(self._memory(ptr + r * pitch, width).ctypes.data)
+            out.append((at, at + width))
+        return out
 
     def memcpy_2d_async(self, dst: int, dpitch: int, src: int, spitch: int, width: int,
                         height: int, stream: int) -> None:
@@ -430,7 +481,9 @@ class FakeDriver:
             for r in range(height):
                 self._memory(dst + r * dpitch, width)[:] = self._memory(src + r * spitch, width)
 
-        self.queued.append((stream, run))
+        self.streams.enqueue("cudaMemcpy2DAsync", stream,
+                             self._rows(src, spitch, width, height),
+                             self._rows(dst, dpitch, width, height), run)
 
     def memcpy_3d_async(self, dst: int, dpitch: int, dheight: int, src: int, spitch: int,
                         sheight: int, width: int, height: int, depth: int,
@@ -450,19 +503,103 @@ class FakeDriver:
                     self._memory(dst + (z * dheight + y) * dpitch, width)[:] = self._memory(
                         src + (z * sheight + y) * spitch, width)
 
-        self.queued.append((stream, run))
+        reads, writes = [], []
+        for z in range(depth):
+            reads += self._rows(src + z * sheight * spitch, spitch, width, height)
+            writes += self._rows(dst + z * dheight * dpitch, dpitch, width, height)
+        self.streams.enqueue("cudaMemcpy3DAsync", stream, reads, writes, run)
 
     def torch_bytes(self, ptr: int, nbytes: int, device: int) -> Any:
         """The fake's device memory as a CPU torch tensor over its numpy backing: the
-        gather path runs its torch operations on it, as on CUDA tensors."""
+        gather path runs its torch operations on it, as on CUDA tensors (inside
+        :meth:`torch_stream`, which queues them on a stream)."""
         import torch
 
         self.calls.append(("torch_bytes", ptr, nbytes, device))
         return torch.from_numpy(self._memory(ptr, nbytes))
 
+    def torch_stream(self, stream: int, device: int) -> Any:
+        """Torch operations of this thread inside the block are queued on ``stream``
+        (on CUDA: torch.cuda.stream over that handle). The fake runs them at once, on
+        CPU tensors, after what they are ordered after, and checks the memory they
+        touch against other streams' unfinished work."""
+        return torch_on_stream(self.streams, stream)
+
     def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        """cudaMemcpy: queued on the legacy default stream, and the host waits for it."""
         self.calls.append(("memcpy", dst, src, nbytes))
-        self._memory(dst, nbytes)[:] = self._memory(src, nbytes)
+        d, s = self._memory(dst, nbytes), self._memory(src, nbytes)
+
+        def run() -> None:
+            d[:] = s
+
+        self.streams.enqueue("cudaMemcpy", 0, [(s.ctypes.data, s.ctypes.data + nbytes)],
+                             [(d.ctypes.data, d.ctypes.data + nbytes)], now=run)
+        self.streams.synchronize_stream(0)
+
+    # -- what the gather path allocates: staging through torch's caching allocator
+    # (alloc_buffer), its pinned index buffer (malloc_host); counted by live_*.
+    def alloc_buffer(self, nbytes: int, device: int) -> int:
+        """torch.empty(nbytes, uint8) on the device: device memory, refused (as torch
+        raises OutOfMemoryError) beyond :attr:`buffer_limit` bytes held at once."""
+        held = sum(self.allocs[b][0] for b in self.live_device_allocations()
+                   if self.allocs[b][2] == "torch")
+        if self.buffer_limit is not None and held + nbytes > self.buffer_limit:
+            self.calls.append(("alloc_buffer_refused", nbytes, device))
+            raise CudaError(f"torch.empty({nbytes}) on cuda:{device}: CUDA out of memory",
+                            call="torch.empty", code=2)
+        ptr = self.add_alloc(nbytes, "torch", device)
+        self.calls.append(("alloc_buffer", nbytes, device))
+        return ptr
+
+    def free_buffer(self, ptr: int) -> None:
+        """The tensor dropped: torch's allocator may hand the block out again at once,
+        so unfinished work on it is a race (the gather path frees after its syncs)."""
+        assert self.allocs[ptr][2] == "torch"
+        self.host_access("free of a staging buffer", self._memory(ptr, self.allocs[ptr][0]),
+                         write=True)
+        self.free(ptr)
+
+    def malloc_host(self, nbytes: int) -> int:
+        """cudaMallocHost: page-locked host memory."""
+        mem = np.zeros(max(1, nbytes), np.uint8)
+        self.host_allocs[mem.ctypes.data] = mem
+        self.pinned[mem.ctypes.data] = nbytes
+        self.calls.append(("malloc_host", nbytes))
+        return int(mem.ctypes.data)
+
+    def free_host(self, ptr: int) -> None:
+        assert ptr in self.host_allocs, "cudaFreeHost of memory cudaMallocHost did not give"
+        del self.host_allocs[ptr], self.pinned[ptr]
+        self.calls.append(("free_host", ptr))
+
+    def live_device_allocations(self) -> list[int]:
+        """Device allocations not freed (malloc, alloc_buffer), by base address."""
+        return [b for b, (_, _, kind) in self.allocs.items()
+                if kind in ("malloc", "torch") and b not in self.freed]
+
+    def live_resources(self) -> dict[str, int]:
+        """What a leak would grow: device allocations, pinned host buffers, streams and
+        events of this process not destroyed."""
+        return {"device": len(self.live_device_allocations()),
+                "host": len(self.host_allocs), "streams": len(self.live_streams),
+                "events": sum(1 for e in self.events.values()
+                              if e["kind"] == "plain" and not e["destroyed"])}
+
+    def host_access(self, what: str, array: np.ndarray, write: bool = False) -> None:
+        """Assert the host may read (or write) ``array`` now: no unfinished device work
+        writes it (or, for a write, reads it). What a COMMIT lets the server do."""
+        at = int(array.ctypes.data)
+        self.streams.host_access(what, [(at, at + array.nbytes)], write)
+
+    @property
+    def queued(self) -> list[tuple[int, Any]]:
+        """Driver copies queued and not run yet: (stream, run)."""
+        return self.streams.queued()
+
+    @property
+    def races(self) -> list[str]:
+        return self.streams.races
 
     def mem_get_info(self) -> tuple[int, int]:
         return self.free_memory, self.total_memory
@@ -471,13 +608,21 @@ class FakeDriver:
         return self.attributes.get(name)
 
     def run_queued(self, stream: int | None = None) -> None:
-        keep = []
-        for s, run in self.queued:
-            if stream is None or s == stream:
-                run()
-            else:
-                keep.append((s, run))
-        self.queued = keep
+        """The host waits for ``stream`` (None: for the whole device)."""
+        if stream is None:
+            self.streams.synchronize_all()
+        else:
+            self.streams.synchronize_stream(stream)
+
+
+def _being_pinned(ptr: int, nbytes: int) -> bool:
+    """Whether the copies' own page-locking of this pool is still running (a large
+    pool's, on its own thread: the copies meanwhile go pageable, by design; CUDA
+    allows that, slower). Anything else pageable is a forgotten pinning."""
+    from lmcache_mp.ipc.cuda import staging
+
+    return any(p.address <= ptr and ptr + nbytes <= p.address + p.nbytes
+               and not p.done.is_set() for p in list(staging._pinned.values()))
 
 
 class FakeTensor:

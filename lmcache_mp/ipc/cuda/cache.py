@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -104,6 +105,7 @@ class CudaKVCache:
         # Engine-driven copies' gather / scatter machinery (made on the first copy).
         self._copier_lock = threading.Lock()
         self._copier: GatherCopier | None = None
+        self._copier_finalizer: weakref.finalize[Any, Any] | None = None
         self._copier_refused: str | None = None
 
     # ------------------------------------------------------------ builders
@@ -430,6 +432,11 @@ class CudaKVCache:
                                 self.layer_ptrs)
                     except Exception as exc:  # torch without CUDA, a driver refusal
                         why = f"{type(exc).__name__}: {exc}"
+                    else:
+                        # A cache dropped unclosed (a connector that wraps a new one at
+                        # every wake-up) still gives its staging memory back.
+                        self._copier_finalizer = weakref.finalize(self, self._copier.close)
+                        self._copier_finalizer.atexit = False
                 if why is not None:
                     self._copier_refused = why
                     log.info("lmcache_mp: engine-driven GPU copies of %r use the copy "
@@ -439,11 +446,15 @@ class CudaKVCache:
 
     @property
     def copy_path(self) -> str:
-        """How engine-driven copies move this cache's blocks: ``"gather"`` (one gather /
-        scatter per layer and plane, one DMA per chunk object), ``"plan: <why>"`` (one
-        DMA per head and run of blocks), or ``"undecided"`` before the first copy."""
-        if self._copier is not None:
-            return "gather"
+        """How engine-driven copies move this cache's blocks: ``"gather (<how>)"``
+        (gathers / scatters on the GPU, one DMA per chunk object; ``<how>``: one
+        kernel per round for every layer or one per (plane, layer), and what the
+        staging buffer holds, smaller than asked near the memory limit),
+        ``"plan: <why>"`` (one DMA per head and run of blocks: no torch, no room for one
+        chunk object of staging, ...), or ``"undecided"`` before the first copy."""
+        copier = self._copier
+        if copier is not None:
+            return copier.copy_path
         if self._copier_refused is not None:
             return f"plan: {self._copier_refused}"
         return "undecided"
@@ -457,11 +468,11 @@ class CudaKVCache:
         """Drop our references to the memory: memory from :meth:`allocate` is freed
         now, or when the last torch view of it goes. Idempotent."""
         with self._copier_lock:
-            copier, self._copier = self._copier, None
+            finalizer, self._copier_finalizer = self._copier_finalizer, None
+            self._copier = None
             self._closed = True
-        if copier is not None:
-            with on_device(self._driver, self.device):
-                copier.close()
+        if finalizer is not None:
+            finalizer()  # the copier's close(), once
         self._torch_layers = None
         self._owners = []
         for e in self._exports:  # VMM exports: their fds

@@ -8,6 +8,8 @@ the handle / UUID byte helpers are in :mod:`.handles` (re-exported here).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -47,6 +49,7 @@ EVENT_INTERPROCESS = 0x04
 EVENT_DISABLE_TIMING = 0x02
 CU_MEMORYTYPE_DEVICE = 2
 HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
+STREAM_NON_BLOCKING = 0x01  # cudaStreamNonBlocking
 
 
 # ------------------------------------------------------------------- driver
@@ -121,6 +124,7 @@ class CudaBindingsDriver:
         self._version = version
         self._init_lock = threading.Lock()
         self._driver_ready = False
+        self._buffers: dict[int, Any] = {}  # alloc_buffer: address -> its torch tensor
 
     # -- call plumbing
     def _check(self, call: str, result: Any) -> tuple[Any, ...]:
@@ -334,8 +338,71 @@ class CudaBindingsDriver:
 
         from .torch_layers import CudaArrayView
 
-        return torch.as_tensor(CudaArrayView(None, ptr, nbytes),
-                               device=torch.device("cuda", device))
+        t = torch.as_tensor(CudaArrayView(None, ptr, nbytes),
+                            device=torch.device("cuda", device))
+        # as_tensor copies silently when the pointer is on another device: a scatter
+        # into such a copy would write nothing the cache holds.
+        if t.data_ptr() != ptr:
+            raise CudaError(f"torch viewed 0x{ptr:x} as a copy at 0x{t.data_ptr():x} (not "
+                            f"memory of cuda:{device})", call="torch.as_tensor")
+        return t
+
+    @contextmanager
+    def torch_stream(self, stream: int, device: int) -> Iterator[None]:
+        """Torch operations inside the block go to ``stream`` on ``device``: torch's
+        own stream object when the handle is its current one (what ``stream=None``
+        resolves to) or the legacy default stream (0), else an ExternalStream."""
+        import torch as torch_module
+
+        torch: Any = torch_module  # ExternalStream is untyped
+        dev = torch.device("cuda", device)
+        current = torch.cuda.current_stream(dev)
+        on = (current if current.cuda_stream == stream else
+              torch.cuda.default_stream(dev) if stream == 0 else
+              torch.cuda.ExternalStream(stream, device=dev))
+        with torch.cuda.device(device), torch.cuda.stream(on):
+            yield
+
+    def alloc_buffer(self, nbytes: int, device: int) -> int:
+        """``nbytes`` of device memory from torch's caching allocator (blocks torch holds
+        free serve it first; on a miss it frees its cache and retries before giving up),
+        kept until :meth:`free_buffer`. CudaError when the device has no room."""
+        import torch
+
+        try:
+            t = torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", device))
+        except torch.OutOfMemoryError as exc:
+            raise CudaError(f"torch.empty({nbytes}) on cuda:{device}: "
+                            f"{str(exc).splitlines()[0]}", call="torch.empty", code=2) from None
+        ptr = int(t.data_ptr())
+        with self._init_lock:
+            self._buffers[ptr] = t
+        return ptr
+
+    def free_buffer(self, ptr: int) -> None:
+        """Back to torch's cache (the caller has waited for every use of it: torch may
+        hand it out again at once on the stream it was allocated on)."""
+        with self._init_lock:
+            self._buffers.pop(ptr, None)
+
+    def malloc_host(self, nbytes: int) -> int:
+        return int(self._rt_call("cudaMallocHost", nbytes)[0])
+
+    def free_host(self, ptr: int) -> None:
+        self._rt_call("cudaFreeHost", ptr)
+
+    def stream_create(self) -> int:
+        """A stream that does not synchronise with the legacy default stream
+        (cudaStreamNonBlocking), as torch creates its streams."""
+        (stream,) = self._rt_call("cudaStreamCreateWithFlags", STREAM_NON_BLOCKING)
+        return int(stream)
+
+    def stream_destroy(self, stream: int) -> None:
+        self._rt_call("cudaStreamDestroy", stream)
+
+    def event_create(self) -> Any:
+        """An event for ordering streams of this process (no timing, no IPC)."""
+        return self._rt_call("cudaEventCreateWithFlags", EVENT_DISABLE_TIMING)[0]
 
     def memcpy(self, dst: int, src: int, nbytes: int) -> None:
         self._rt_call("cudaMemcpy", dst, src, nbytes, self._rt.cudaMemcpyKind.cudaMemcpyDefault)

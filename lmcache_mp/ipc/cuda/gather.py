@@ -1,5 +1,5 @@
-"""Engine-driven GPU copies as one gather (STORE) or scatter (RETRIEVE) per layer and
-K/V plane, through a device staging buffer, and one DMA per chunk object.
+"""Engine-driven GPU copies as gathers (STORE) or scatters (RETRIEVE) on the GPU,
+through a device staging buffer, and one DMA per chunk object.
 
 Why. A chunk object is token-major (``[planes, layers, tokens, heads * head_dim]``)
 and the cache's blocks are wherever vLLM's block table says, in the layout the engine
@@ -10,33 +10,59 @@ thousands of small DMAs per transfer, 4-5 GB/s on an H200 against a 52-55 GB/s p
 copy, 1.4 GB/s for blocks-first layouts (2026-12-04). Here the reordering is done by
 the GPU, at HBM speed, and the PCIe side is one large DMA per chunk object:
 
-* STORE: for each (plane, layer) one ``index_select`` of the transfer's blocks into
-  the staging buffer ``[planes, layers, k * tokens, hidden]`` (k chunk objects at a
-  time), the blocks read through a strided view of the layer in token-major order;
-  then one ``cudaMemcpy2DAsync`` per chunk object into its (page-locked) pool slot.
-* RETRIEVE: one 2-D DMA per chunk object into the staging buffer, then one
-  ``index_copy_`` per (plane, layer) into the blocks (the skipped leading blocks are
-  left out of the index).
+* STORE, per round of chunk objects: one ``index_select`` of the round's blocks into
+  a region of the staging buffer ``[planes, layers, k * tokens, hidden]``, then one
+  ``cudaMemcpy2DAsync`` per chunk object into its (page-locked) pool slot.
+* RETRIEVE, per round: one 2-D DMA per chunk object into a staging region, then one
+  ``index_copy_`` into the blocks (the skipped leading blocks left out of the index).
+* Kernels: where the layers sit at one constant stride in one allocation (vLLM's own
+  layouts: one tensor for all layers), one gather / scatter per round moves every
+  plane and layer; otherwise one per (plane, layer).
 
-Everything is queued on the caller's stream, after the work already there; the
-caller synchronises that stream as before. The staging buffer is allocated once per
-cache with the driver, grown up to :data:`STAGING_LIMIT_BYTES` (more chunks than fit
-are moved in several rounds through the same buffer, ordered by the stream), reused
-under a lock, and freed with the cache.
+Ordering (what makes it safe for any caller; CUDA Runtime API: stream semantics,
+``cudaEventRecord``, ``cudaStreamWaitEvent``, ``cudaStreamSynchronize``):
+
+* The gathers and scatters run on the caller's stream, after the engine's work queued
+  there; the DMAs on a copy stream of this cache's own (non-blocking, as torch's
+  streams are). Two staging regions alternate, so a round's DMAs overlap the next
+  round's gather (STORE) or the previous round's scatter (RETRIEVE). Events order
+  each hand-over: a region is DMA'd only after its gather (an event on the caller's
+  stream the copy stream waits for), gathered into again only after its last DMA (an
+  event on the copy stream the caller's stream waits for), and the reverse for
+  RETRIEVE.
+* One transfer at a time per cache holds the staging buffer and the pinned index
+  buffer, and holds them until the host has waited for both streams
+  (``cudaStreamSynchronize``, in a ``finally``: on an error path too). So transfers
+  from any threads, on any streams, never share a byte of staging in flight, and
+  when a transfer returns (or raises) nothing it queued is still running: the
+  COMMIT that follows may publish the slots or release the server's read locks.
+* The block ids reach the device through a page-locked buffer of this cache
+  (``cudaMallocHost``), written by the host only while no transfer is in flight.
+
+Memory. The staging buffer comes from torch's caching allocator (so blocks torch
+holds free can serve it), sized for the transfer up to :data:`STAGING_LIMIT_BYTES`
+(more chunk objects than fit move in more rounds), grown when a transfer needs more,
+and freed with the cache (its ``close()``, or a finalizer when the cache is dropped).
+Near the memory limit the allocation is retried smaller, down to one chunk object;
+only when one chunk object does not fit do transfers use the copy plan
+(:class:`StagingUnavailable`), and :attr:`GatherCopier.note` says what was chosen.
 
 The gather and scatter are torch operations on tensors over raw device addresses
 (:meth:`GatherDriver.torch_bytes`), viewed as the widest integer type the layout
 allows (bits are moved, never floats: random bf16 bits hold NaNs). With a driver whose
 "device" memory is host memory (the tests' fake) the very same code runs on CPU
-tensors, so CI proves the bytes against the copy plan for every layout.
+tensors, so CI proves the bytes against the copy plan for every layout, and the
+fake's stream model proves the ordering.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import threading
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,13 +70,17 @@ import numpy as np
 from ...errors import InvalidArgument
 from ..base import KVGeometry
 from .driver import CudaDriver, CudaError
+from .export import on_device
 
 __all__ = ["GatherDriver", "GatherCopier", "STAGING_LIMIT_BYTES", "StagingUnavailable",
-           "gather_unavailable", "block_views"]
+           "gather_unavailable", "block_views", "layer_stride"]
+
+log = logging.getLogger("lmcache_mp")
 
 
 class StagingUnavailable(CudaError):
-    """The staging buffer could not be allocated; nothing of the transfer was queued."""
+    """Not even one chunk object of staging could be allocated; nothing of the
+    transfer was queued (the copy plan moves it)."""
 
 
 def _staging_limit() -> int:
@@ -79,13 +109,33 @@ class GatherDriver(CudaDriver, Protocol):
         no ownership)."""
         ...
 
+    def torch_stream(self, stream: int, device: int) -> AbstractContextManager[Any]:
+        """Torch operations inside the block are queued on ``stream``."""
+        ...
+
+    def alloc_buffer(self, nbytes: int, device: int) -> int:
+        """Device memory from torch's caching allocator (CudaError when refused)."""
+        ...
+
+    def free_buffer(self, ptr: int) -> None: ...
+    def malloc_host(self, nbytes: int) -> int: ...
+    def free_host(self, ptr: int) -> None: ...
+    def stream_create(self) -> int: ...
+    def stream_destroy(self, stream: int) -> None: ...
+    def event_create(self) -> Any: ...
+
+
+_NEEDED = ("memcpy_2d_async", "torch_bytes", "torch_stream", "alloc_buffer", "free_buffer",
+           "malloc_host", "free_host", "stream_create", "stream_destroy", "event_create")
+
 
 def gather_unavailable(driver: object) -> str | None:
     """Why this driver's caches cannot use the gather path (None: they can)."""
     if os.environ.get("LMCACHE_MP_GPU_COPY", "") == "plan":
         return "LMCACHE_MP_GPU_COPY=plan"
-    if not hasattr(driver, "torch_bytes") or not hasattr(driver, "memcpy_2d_async"):
-        return f"the driver {type(driver).__name__} has no torch_bytes / memcpy_2d_async"
+    missing = [name for name in _NEEDED if not hasattr(driver, name)]
+    if missing:
+        return f"the driver {type(driver).__name__} has no {' / '.join(missing)}"
     try:
         import torch  # noqa: F401
     except ImportError:
@@ -107,10 +157,26 @@ def _unit(g: KVGeometry, ptrs: Sequence[int]) -> int:
     return 1
 
 
-def block_views(g: KVGeometry, layers: Sequence[Any], unit: int) -> list[list[Any]]:
-    """Per plane, per layer: the layer's blocks as ``[num_blocks, block_size, heads,
-    row]`` (token-major inside a block, whatever the layout), ``row`` in ``unit``-byte
-    integers, over the flat integer tensors ``layers``."""
+def layer_stride(driver: CudaDriver, g: KVGeometry, ptrs: Sequence[int]) -> int | None:
+    """The bytes between consecutive layers when they are all at one stride in one
+    allocation (so one view spans them all: one gather for every layer), else None."""
+    if len(ptrs) == 1:
+        return 0
+    step = ptrs[1] - ptrs[0]
+    if step <= 0 or any(b - a != step for a, b in zip(ptrs[:-1], ptrs[1:], strict=True)):
+        return None
+    try:
+        base, size = driver.address_range(ptrs[0])
+    except CudaError:
+        return None
+    return step if ptrs[-1] + g.layer_nbytes <= base + size else None
+
+
+def _block_axes(g: KVGeometry, unit: int) -> tuple[tuple[int, ...], tuple[int, ...],
+                                                   list[int]]:
+    """A layer's blocks as ``[num_blocks, block_size, heads, row]`` (token-major inside
+    a block, whatever the layout), ``row`` in ``unit``-byte integers: the shape, the
+    strides, and each plane's offset (units)."""
     row = g.head_dim * g.itemsize // unit
     h = 1 if g.mla else g.num_heads
     bs, nb = g.block_size, g.num_blocks
@@ -122,13 +188,55 @@ def block_views(g: KVGeometry, layers: Sequence[Any], unit: int) -> list[list[An
     else:  # [2, num_blocks, ...]: the V plane after the K plane's blocks
         step = bs * h * row
         offsets = [0, nb * step]
-    return [[t.as_strided((nb, bs, h, row), (step, *inner, 1), off) for t in layers]
-            for off in offsets]
+    return (nb, bs, h, row), (step, *inner, 1), offsets
+
+
+def block_views(g: KVGeometry, layers: Sequence[Any], unit: int) -> list[list[Any]]:
+    """Per plane, per layer: the layer's blocks as ``[num_blocks, block_size, heads,
+    row]`` over the flat integer tensors ``layers``."""
+    shape, strides, offsets = _block_axes(g, unit)
+    return [[t.as_strided(shape, strides, off) for t in layers] for off in offsets]
+
+
+def all_layer_view(g: KVGeometry, flat: Any, unit: int, stride_units: int) -> Any:
+    """Every plane and layer's blocks as one ``[planes, layers, num_blocks, block_size,
+    heads, row]`` view over ``flat`` (the span from layer 0, layers ``stride_units``
+    apart)."""
+    shape, strides, offsets = _block_axes(g, unit)
+    plane = offsets[1] if len(offsets) > 1 else 0
+    return flat.as_strided((len(offsets), g.num_layers, *shape),
+                           (plane, stride_units, *strides), 0)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.0f} MiB"
+
+
+class _Rounds:
+    """How one transfer of ``n`` chunk objects goes through a staging buffer holding
+    ``capacity``: rounds of ``per_round`` objects alternating between ``regions``
+    regions (two: a round's DMAs overlap the next round's GPU work)."""
+
+    def __init__(self, n: int, capacity: int) -> None:
+        self.per_round = max(1, min(n, capacity) // 2)
+        self.regions = 2 if n > self.per_round and capacity >= 2 * self.per_round else 1
+
+    @property
+    def overlap(self) -> bool:
+        """Two regions: the DMAs go on the copy stream, ordered by events. One region
+        (one round, or room for one chunk object): all on the caller's stream."""
+        return self.regions == 2
+
+    def __call__(self, n: int) -> Iterator[tuple[int, int, int, int]]:
+        """(round number, first object, objects, region)."""
+        for r, first in enumerate(range(0, n, self.per_round)):
+            yield r, first, min(self.per_round, n - first), r % self.regions
 
 
 class GatherCopier:
-    """One cache's gather / scatter machinery: its layers' block views and the staging
-    buffer. Thread-safe (one transfer at a time uses the buffer)."""
+    """One cache's gather / scatter machinery: the views of its blocks, the staging
+    buffer, the pinned index buffer, a copy stream and the events between them.
+    Thread-safe: one transfer at a time, held until its work is complete."""
 
     def __init__(self, driver: GatherDriver, device: int, g: KVGeometry,
                  layer_ptrs: Sequence[int]) -> None:
@@ -140,122 +248,225 @@ class GatherCopier:
         self._g = g
         self._unit = _unit(g, layer_ptrs)
         dtype = getattr(torch, _INT_TYPES[self._unit])
-        raw = [driver.torch_bytes(p, g.layer_nbytes, device) for p in layer_ptrs]
-        # The flat layers as integers of the unit (a blocks-first layer's span may not
-        # end on one: the views never reach past its last block).
-        flat = [t[: g.layer_nbytes // self._unit * self._unit].view(dtype) for t in raw]
-        self._views = block_views(g, flat, self._unit)
+        stride = layer_stride(driver, g, layer_ptrs)
+        # (view, the axis of its blocks, which (plane, layer) of a round's staging it
+        # fills: None for all of them)
+        self._parts: list[tuple[Any, int, tuple[int, int] | None]]
+        if stride is not None:
+            span = stride * (g.num_layers - 1) + g.layer_nbytes
+            # A span of whole units (a blocks-first layer may not end on one: the views
+            # never reach past its last block).
+            flat = driver.torch_bytes(layer_ptrs[0], span, device)
+            flat = flat[: span // self._unit * self._unit].view(dtype)
+            self._parts = [(all_layer_view(g, flat, self._unit, stride // self._unit), 2,
+                            None)]
+        else:
+            raw = [driver.torch_bytes(p, g.layer_nbytes, device) for p in layer_ptrs]
+            flat_layers = [t[: g.layer_nbytes // self._unit * self._unit].view(dtype)
+                           for t in raw]
+            self._parts = [(view, 0, (p, layer))
+                           for p, views in enumerate(block_views(g, flat_layers, self._unit))
+                           for layer, view in enumerate(views)]
+        #: Every plane and layer in one gather per round (vLLM's layouts).
+        self.one_gather = stride is not None
+        self._planes = 1 if g.mla or g.fused else 2
         self._dtype = dtype
         self._row = g.head_dim * g.itemsize // self._unit
         self._hidden_units = (1 if g.mla else g.num_heads) * self._row
-        self.is_cuda = raw[0].device.type == "cuda"
         self._lock = threading.Lock()
+        self._closed = False
         self._staging_ptr = 0
         self._staging_bytes = 0
         self._staging: Any = None
-        self._closed = False
+        # Staging sizes refused so far: never asked for again (a refused allocation
+        # makes torch free its cache and retry: not on every transfer).
+        self._ceiling: int | None = None  # most chunk objects to ask for
+        self._unavailable: StagingUnavailable | None = None
+        self._index_bytes = 0
+        self._host_index = 0
+        self._device_index = 0
+        self._index: Any = None
+        self._copy_stream = 0
+        self._events: dict[str, list[Any]] = {}
+        #: What the staging buffer holds and why, for ``copy_path`` ("" until a
+        #: transfer sized it).
+        self.note = ""
 
-    # ------------------------------------------------------------ staging
-    def _ensure_staging(self, nbytes: int) -> Any:
-        """The staging buffer, grown to ``nbytes`` if smaller. Raises
-        :class:`StagingUnavailable` (nothing queued yet) when the device has no memory
-        left for it: an engine running at its memory limit still moves its blocks, by
-        the copy plan."""
-        if nbytes > self._staging_bytes:
-            self._free_staging()
-            try:
-                ptr = self._drv.malloc(nbytes)
-            except CudaError as exc:
-                raise StagingUnavailable(
-                    f"cannot allocate a {nbytes}-byte staging buffer on device "
-                    f"{self._device} ({exc}); set LMCACHE_MP_STAGING_MB lower, or leave "
-                    f"the engine more free memory", call="cudaMalloc") from exc
-            self._staging_ptr, self._staging_bytes = ptr, nbytes
-            self._staging = self._drv.torch_bytes(ptr, nbytes, self._device)
-        return self._staging
-
-    def _free_staging(self) -> None:
-        if self._staging_ptr:
-            ptr, self._staging_ptr, self._staging_bytes, self._staging = \
-                self._staging_ptr, 0, 0, None
-            self._drv.free(ptr)
+    # ------------------------------------------------------------ resources
+    @property
+    def copy_path(self) -> str:
+        """What :attr:`CudaKVCache.copy_path` says of this cache (see there)."""
+        if self._unavailable is not None:
+            return f"plan: {self._unavailable}"
+        kernels = ("one gather per round for every layer" if self.one_gather
+                   else "one gather per (plane, layer) and round")
+        return f"gather ({kernels}" + (f"; {self.note})" if self.note else ")")
 
     @property
     def staging_bytes(self) -> int:
         """Device memory the staging buffer holds now."""
         return self._staging_bytes
 
-    def close(self) -> None:
-        """Free the staging buffer (the caller synchronised every stream it used)."""
-        with self._lock:
-            self._closed = True
-            self._views = []
-            self._free_staging()
+    def _reserve(self, want: int, obj: int) -> int:
+        """A staging buffer of at least ``want`` chunk objects of ``obj`` bytes (within
+        the limit), else as many as the device gives, down to one: how many it holds.
+        Raises :class:`StagingUnavailable` before anything is queued if not one."""
+        if self._unavailable is not None:
+            raise self._unavailable
+        want = max(1, min(want, STAGING_LIMIT_BYTES // obj or 1))
+        if self._ceiling is not None:
+            want = min(want, self._ceiling)
+        have = self._staging_bytes // obj
+        if have >= want:
+            return have
+        # Nothing is in flight (the transfer lock is held, every transfer ends synced):
+        # the old buffer goes back to torch's cache, where the new one may reuse it.
+        self._free_staging()
+        refused: list[tuple[int, CudaError]] = []
+        n = want
+        while n >= 1:
+            try:
+                ptr = self._drv.alloc_buffer(n * obj, self._device)
+            except CudaError as exc:
+                refused.append((n, exc))
+                n = n // 2 if n > 1 else 0
+                continue
+            self._staging_ptr, self._staging_bytes = ptr, n * obj
+            self._staging = self._drv.torch_bytes(ptr, n * obj, self._device)
+            if refused:
+                self._ceiling = n
+                self.note = (f"staging holds {n} of {want} chunk objects ({_mib(n * obj)}; "
+                             f"{_mib(refused[0][0] * obj)} refused: {refused[-1][1]})")
+                log.warning("lmcache_mp: the gather path's staging buffer holds %d of %d "
+                            "chunk objects (%s; %s refused: %s): more rounds per transfer, "
+                            "the same bytes; set LMCACHE_MP_STAGING_MB or leave the "
+                            "engine more free memory", n, want, _mib(n * obj),
+                            _mib(refused[0][0] * obj), refused[-1][1])
+            else:
+                self.note = f"staging {n} chunk objects, {_mib(n * obj)}"
+            return n
+        self._unavailable = StagingUnavailable(
+            f"cannot allocate one chunk object ({obj} bytes) of staging on device "
+            f"{self._device} ({refused[-1][1]}); set LMCACHE_MP_STAGING_MB lower, or "
+            f"leave the engine more free memory", call="torch.empty")
+        raise self._unavailable
 
-    # ------------------------------------------------------------ copies
-    @contextmanager
-    def _on_stream(self, stream: int) -> Iterator[None]:
-        if not self.is_cuda:
-            yield
+    def _free_staging(self) -> None:
+        if self._staging_ptr:
+            ptr, self._staging_ptr, self._staging_bytes, self._staging = \
+                self._staging_ptr, 0, 0, None
+            self._drv.free_buffer(ptr)
+
+    def _index_for(self, n: int) -> None:
+        """Room for ``n`` block ids on the host (page-locked) and on the device."""
+        nbytes = max(4096, n * 8)
+        if nbytes <= self._index_bytes:
             return
-        torch = self._torch
-        dev = torch.device("cuda", self._device)
-        # Usually torch's current stream (what stream=None resolves to); a handle of
-        # the caller's own is wrapped. 0 is the legacy default stream, torch's default.
-        current = torch.cuda.current_stream(dev)
-        on = (current if current.cuda_stream == stream else
-              torch.cuda.default_stream(dev) if stream == 0 else
-              torch.cuda.ExternalStream(stream, device=dev))
-        with torch.cuda.device(self._device), torch.cuda.stream(on):
-            yield
+        self._free_index()
+        nbytes = 1 << (nbytes - 1).bit_length()
+        try:
+            self._host_index = self._drv.malloc_host(nbytes)
+            self._device_index = self._drv.alloc_buffer(nbytes, self._device)
+        except CudaError as exc:
+            self._free_index()
+            raise StagingUnavailable(f"cannot allocate the {nbytes}-byte block-id buffers: "
+                                     f"{exc}", call="cudaMallocHost") from exc
+        self._index_bytes = nbytes
+        self._index = self._drv.torch_bytes(self._device_index, nbytes,
+                                            self._device).view(self._torch.int64)
 
-    def _stream_order(self, stream: int) -> None:
-        """Before torch touches what a queued driver copy writes or reads: on CUDA the
-        stream orders them; CPU tensors (the tests' driver) run at once, so the
-        stream's queued copies are run first."""
-        if not self.is_cuda:
-            self._drv.stream_synchronize(stream)
+    def _free_index(self) -> None:
+        host, dev = self._host_index, self._device_index
+        self._host_index = self._device_index = self._index_bytes = 0
+        self._index = None
+        if host:
+            self._drv.free_host(host)
+        if dev:
+            self._drv.free_buffer(dev)
 
-    def _index(self, ids: np.ndarray) -> Any:
-        """The block ids as an index tensor on the device, queued on the stream."""
-        arr = np.ascontiguousarray(ids, dtype=np.int64)
-        if not self.is_cuda:
-            return self._torch.from_numpy(arr)
-        # Through pinned memory (torch's host allocator keeps the block until the copy
-        # is done): an async copy from pageable memory first waits for everything
-        # queued on the stream, the engine's work included.
-        host = self._torch.empty(len(arr), dtype=self._torch.int64, pin_memory=True)
-        host.numpy()[:] = arr
-        return host.to(self._views[0][0].device, non_blocking=True)
+    def _streams_and_events(self) -> None:
+        if not self._copy_stream:
+            self._copy_stream = self._drv.stream_create()
+            self._events = {k: [self._drv.event_create(), self._drv.event_create()]
+                            for k in ("staged", "copied")}
 
+    def close(self) -> None:
+        """Free the staging and index buffers, the copy stream and its events (every
+        transfer was complete when it returned). Idempotent; a cache's finalizer calls
+        it when the cache is dropped unclosed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._parts = []
+            with on_device(self._drv, self._device):
+                self._free_staging()
+                self._free_index()
+                for events in self._events.values():
+                    for ev in events:
+                        self._drv.event_destroy(ev)
+                self._events = {}
+                if self._copy_stream:
+                    stream, self._copy_stream = self._copy_stream, 0
+                    self._drv.stream_destroy(stream)
+
+    # ------------------------------------------------------------ a transfer
     @contextmanager
-    def _transfer(self, chunk_tokens: int, n_objects: int,
-                  stream: int) -> Iterator[tuple[Any, int, int, int]]:
-        """A transfer of ``n_objects`` chunk objects, holding the buffer, on ``stream``:
-        (the staging buffer, blocks per chunk, bytes of one (plane, layer) row of a chunk
-        object, chunk objects per round)."""
+    def _transfer(self, stream: int) -> Iterator[None]:
+        """Hold the buffers for one transfer on ``stream``, and release them only once
+        the host has waited for everything it queued, on both streams, whatever
+        happened (an error midway included)."""
+        with self._lock:
+            if self._closed:
+                raise InvalidArgument("this CudaKVCache is closed; allocate a new one")
+            try:
+                yield
+            finally:
+                try:
+                    if self._copy_stream:
+                        self._drv.stream_synchronize(self._copy_stream)
+                finally:
+                    self._drv.stream_synchronize(stream)
+
+    def _prepare(self, chunk_tokens: int, n: int, block_ids: np.ndarray,
+                 stream: int) -> tuple[_Rounds, int, int, Any]:
+        """Staging for ``n`` chunk objects, the streams and events, and the block ids
+        on the device (queued on ``stream``): (the rounds, bytes of one (plane, layer)
+        row of a chunk object, blocks per chunk, the index tensor)."""
         per = chunk_tokens // self._g.block_size
         width = chunk_tokens * self._hidden_units * self._unit
-        obj = len(self._views) * self._g.num_layers * width
-        k_max = max(1, min(n_objects, STAGING_LIMIT_BYTES // max(1, obj)))
-        with self._lock, self._on_stream(stream):
-            self._check_open()
-            yield self._ensure_staging(k_max * obj), per, width, k_max
+        capacity = self._reserve(n, self._planes * self._g.num_layers * width)
+        self._index_for(len(block_ids))
+        rounds = _Rounds(n, capacity)
+        if rounds.overlap:
+            self._streams_and_events()
+        host = (ctypes.c_int64 * len(block_ids)).from_address(self._host_index)
+        np.ctypeslib.as_array(host)[:] = block_ids
+        nbytes = 8 * len(block_ids)
+        self._drv.memcpy_2d_async(self._device_index, nbytes, self._host_index, nbytes,
+                                  nbytes, 1, stream)
+        return rounds, width, per, self._index[: len(block_ids)]
 
-    def _staged(self, staging: Any, k: int, per: int) -> Any:
-        """A round's part of the staging buffer as ``[planes, layers, k * per blocks,
-        block_size, heads, row]``: the chunk objects' rows, (plane, layer)-major."""
-        planes, g = len(self._views), self._g
-        n = planes * g.num_layers * k * per * g.block_size * self._hidden_units
-        return staging[: n * self._unit].view(self._dtype).view(
-            planes, g.num_layers, k * per, g.block_size, -1, self._row)
+    def _staged(self, rounds: _Rounds, region: int, k: int, per: int) -> Any:
+        """Region ``region``'s first ``k`` chunk objects as ``[planes, layers, k * per
+        blocks, block_size, heads, row]`` (the objects' rows, (plane, layer)-major)."""
+        n = self._planes * self._g.num_layers * rounds.per_round * per * \
+            self._g.block_size * self._hidden_units
+        used = n // rounds.per_round * k
+        flat = self._staging[region * n * self._unit: (region * n + used) * self._unit]
+        return flat.view(self._dtype).view(self._planes, self._g.num_layers, k * per,
+                                           self._g.block_size, -1, self._row)
 
-    def _dma(self, width: int, k: int, addrs: Sequence[int], stream: int,
+    def _region_ptr(self, rounds: _Rounds, region: int, width: int) -> int:
+        return self._staging_ptr + region * rounds.per_round * self._planes * \
+            self._g.num_layers * width
+
+    def _dma(self, base: int, width: int, k: int, addrs: Sequence[int], stream: int,
              to_slots: bool) -> None:
-        """One 2-D copy per chunk object between its slot (rows of ``width`` bytes, one
-        per (plane, layer), contiguous) and its columns of the staging buffer (rows
-        ``k * width`` apart)."""
-        rows, base = len(self._views) * self._g.num_layers, self._staging_ptr
+        """One 2-D copy per chunk object, on ``stream``, between its slot (rows of
+        ``width`` bytes, one per (plane, layer), contiguous) and its columns of a
+        staging region at ``base`` (rows ``k * width`` apart)."""
+        rows = self._planes * self._g.num_layers
         for s, addr in enumerate(addrs):
             if to_slots:
                 self._drv.memcpy_2d_async(int(addr), width, base + s * width, k * width,
@@ -264,44 +475,72 @@ class GatherCopier:
                 self._drv.memcpy_2d_async(base + s * width, k * width, int(addr), width,
                                           width, rows, stream)
 
+    def _hand_over(self, kind: str, region: int, recorded_on: int, waiting: int) -> None:
+        """Work queued on ``waiting`` from now on runs after what ``recorded_on`` has
+        queued so far (an event; nothing to do when they are one stream)."""
+        if recorded_on != waiting:
+            event = self._events[kind][region]
+            self._drv.event_record(event, recorded_on)
+            self._drv.stream_wait_event(waiting, event)
+
     def store(self, ids: np.ndarray, slot_addrs: Sequence[int],
               chunk_indices: Sequence[int], chunk_tokens: int, stream: int) -> None:
         """Blocks -> slots: slot ``slot_addrs[i]`` gets chunk ``chunk_indices[i]`` of
-        the key (its blocks ``ids[ci * per : (ci + 1) * per]``). Queued on ``stream``."""
-        with self._transfer(chunk_tokens, len(slot_addrs), stream) as (staging, per, width,
-                                                                     k_max):
-            for first in range(0, len(slot_addrs), k_max):
-                addrs = slot_addrs[first:first + k_max]
-                if first:
-                    self._stream_order(stream)  # the last round's DMAs read the buffer
-                idx = self._index(np.concatenate(
-                    [ids[ci * per:(ci + 1) * per] for ci in chunk_indices[first:first + k_max]]))
-                stg = self._staged(staging, len(addrs), per)
-                for p, views in enumerate(self._views):
-                    for layer, view in enumerate(views):
-                        self._torch.index_select(view, 0, idx, out=stg[p, layer])
-                self._dma(width, len(addrs), addrs, stream, to_slots=True)
+        the key (its blocks ``ids[ci * per : (ci + 1) * per]``). Returns once it is
+        complete (the host waited for it)."""
+        per = chunk_tokens // self._g.block_size
+        n = len(slot_addrs)
+        blocks = np.concatenate([ids[ci * per:(ci + 1) * per] for ci in chunk_indices])
+        with self._transfer(stream):
+            rounds, width, per, index = self._prepare(chunk_tokens, n, blocks, stream)
+            copy = self._copy_stream if rounds.overlap else stream
+            with self._drv.torch_stream(stream, self._device):
+                for _, first, k, region in rounds(n):
+                    staged = self._staged(rounds, region, k, per)
+                    self._gather(index[first * per:(first + k) * per], staged)
+                    self._hand_over("staged", region, stream, copy)  # DMA what was gathered
+                    self._dma(self._region_ptr(rounds, region, width), width, k,
+                              slot_addrs[first:first + k], copy, to_slots=True)
+                    # The region's next gather (two rounds on) waits for these DMAs.
+                    self._hand_over("copied", region, copy, stream)
 
     def retrieve(self, ids: np.ndarray, slot_addrs: Sequence[int], chunk_tokens: int,
                  skip_blocks: int, stream: int) -> None:
         """Slots -> blocks: slot ``i`` holds chunk ``i`` of the key; the key's first
-        ``skip_blocks`` blocks are left untouched. Queued on ``stream``. Block ids must
-        be distinct (:meth:`can_scatter`)."""
-        with self._transfer(chunk_tokens, len(slot_addrs), stream) as (staging, per, width,
-                                                                     k_max):
-            for first in range(0, len(slot_addrs), k_max):
-                addrs = slot_addrs[first:first + k_max]
-                start, end = first * per, (first + len(addrs)) * per
-                skip = min(end - start, max(0, skip_blocks - start))
-                if start + skip == end:
-                    continue  # every block of this round is skipped
-                self._dma(width, len(addrs), addrs, stream, to_slots=False)
-                self._stream_order(stream)
-                idx = self._index(ids[start + skip:end])
-                stg = self._staged(staging, len(addrs), per)
-                for p, views in enumerate(self._views):
-                    for layer, view in enumerate(views):
-                        view.index_copy_(0, idx, stg[p, layer, skip:])
+        ``skip_blocks`` blocks are left untouched. Block ids must be distinct
+        (:meth:`can_scatter`). Returns once it is complete (the host waited for it)."""
+        per = chunk_tokens // self._g.block_size
+        skipped_objects = min(skip_blocks // per, len(slot_addrs))
+        n = len(slot_addrs) - skipped_objects
+        if n == 0:
+            return
+        slots = slot_addrs[skipped_objects:]
+        base_block = skipped_objects * per  # the first block of the first object moved
+        with self._transfer(stream):
+            rounds, width, per, index = self._prepare(
+                chunk_tokens, n, ids[skip_blocks:len(slot_addrs) * per], stream)
+            copy = self._copy_stream if rounds.overlap else stream
+            with self._drv.torch_stream(stream, self._device):
+                for _, first, k, region in rounds(n):
+                    self._dma(self._region_ptr(rounds, region, width), width, k,
+                              slots[first:first + k], copy, to_slots=False)
+                    self._hand_over("copied", region, copy, stream)  # scatter what landed
+                    start = base_block + first * per  # the round's first block
+                    skip = max(0, skip_blocks - start)  # blocks of it left alone
+                    staged = self._staged(rounds, region, k, per)[:, :, skip:]
+                    self._scatter(index[start + skip - skip_blocks:
+                                        start + k * per - skip_blocks], staged)
+                    # The region's next DMA (two rounds on) waits for this scatter.
+                    self._hand_over("staged", region, stream, copy)
+
+    def _gather(self, index: Any, staged: Any) -> None:
+        torch = self._torch
+        for view, axis, at in self._parts:
+            torch.index_select(view, axis, index, out=staged if at is None else staged[at])
+
+    def _scatter(self, index: Any, staged: Any) -> None:
+        for view, axis, at in self._parts:
+            view.index_copy_(axis, index, staged if at is None else staged[at])
 
     @staticmethod
     def can_scatter(ids: np.ndarray) -> bool:
@@ -309,7 +548,3 @@ class GatherCopier:
         (the null block 0 of padded tables) keep the ordered copy plan, whose last
         write wins."""
         return len(np.unique(ids)) == len(ids)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise InvalidArgument("this CudaKVCache is closed; allocate a new one")

@@ -52,8 +52,9 @@ from .driver import CudaDriver, CudaError
 from .export import on_device
 from .gather import GatherCopier, StagingUnavailable
 
-__all__ = ["CopyDriver", "CopyPlan", "store_plan", "retrieve_plan", "run_plan",
-           "device_copy_into_slots", "device_copy_from_slots", "pinned_pools", "unpin"]
+__all__ = ["CopyDriver", "CopyPlan", "PoolLike", "PoolPin", "PIN_WAIT_BYTES", "store_plan",
+           "retrieve_plan", "run_plan", "device_copy_into_slots", "device_copy_from_slots",
+           "pinned_pools", "unpin"]
 
 log = logging.getLogger("lmcache_mp")
 
@@ -249,46 +250,126 @@ def run_plan(drv: CopyDriver, plan: CopyPlan, stream: int) -> None:
 
 
 # ---------------------------------------------------- page-locking the pool
+class PoolLike(Protocol):
+    """What the copies need of the session's pool (lmcache_mp.session.engine_driven
+    .Pool, which this layer does not import): its bytes, the page-locking record of its
+    mapping, the hooks run before it is unmapped, and the hooks its client runs on
+    every pool it maps from then on."""
+
+    @property
+    def view(self) -> np.ndarray: ...
+    @property
+    def pinning(self) -> dict[str, Any]: ...
+    @property
+    def before_unmap(self) -> set[Callable[[np.ndarray], None]]: ...
+    @property
+    def on_new_map(self) -> list[Callable[[Any], None]]: ...
+
+
+#: A pool up to this size is page-locked before the copy that first needs it goes on
+#: (a few ms); a larger one (a server's L1 is GiBs: roughly 0.1-0.3 s per GiB) on a
+#: thread of its own, the copies meanwhile pageable (slower, never wrong), never on
+#: the caller's (vLLM's forward) thread.
+PIN_WAIT_BYTES = 64 << 20
+
 _pin_lock = threading.Lock()
-# pool address -> (driver, device, nbytes), or None: could not be pinned (pageable).
-_pinned: dict[int, tuple[CopyDriver, int, int] | None] = {}
+# pool address -> its page-locking, for pinned_pools() / unpin(view): the record that
+# counts is the mapping's own (Pool.pinning), so an address reused by a new mapping
+# never inherits an old mapping's state.
+_pinned: dict[int, PoolPin] = {}
 
 
-def _ensure_pinned(drv: CopyDriver, device: int, view: np.ndarray) -> None:
-    address, nbytes = int(view.ctypes.data), int(view.nbytes)
-    with _pin_lock:
-        if address in _pinned:
-            return
+class PoolPin:
+    """The page-locking of one pool mapping (``cudaHostRegister``, portable: for every
+    context), done on a thread of its own, undone before the mapping goes."""
+
+    def __init__(self, drv: CopyDriver, device: int, view: np.ndarray) -> None:
+        self.address, self.nbytes = int(view.ctypes.data), int(view.nbytes)
+        self._drv, self._device = drv, device
+        self.pinned = False
+        self.done = threading.Event()
+        self._undone = False
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="lmcache-mp-pin-pool")
+        self._thread.start()
+
+    def _run(self) -> None:
         try:
-            drv.host_register(address, nbytes)
-            _pinned[address] = (drv, device, nbytes)
+            with on_device(self._drv, self._device):
+                self._drv.host_register(self.address, self.nbytes)
+            self.pinned = True
         except CudaError as exc:
             # Pageable copies still work (staged by the driver): slower, not wrong.
             log.warning("lmcache_mp: cannot page-lock the server's %d-byte L1 pool (%s); "
                         "engine-driven GPU copies will be pageable and slower. Raise "
-                        "RLIMIT_MEMLOCK (ulimit -l) to fix this", nbytes, exc)
-            _pinned[address] = None
+                        "RLIMIT_MEMLOCK (ulimit -l) to fix this", self.nbytes, exc)
+        finally:
+            self.done.set()
+
+    def undo(self, _view: object = None) -> None:
+        """Unregister (after the registration finished); once. A before_unmap hook."""
+        self._thread.join()
+        with _pin_lock:
+            if self._undone:
+                return
+            self._undone = True
+            if _pinned.get(self.address) is self:
+                del _pinned[self.address]
+        if self.pinned:
+            try:
+                with on_device(self._drv, self._device):
+                    self._drv.host_unregister(self.address)
+            except CudaError as exc:
+                log.warning("lmcache_mp: cudaHostUnregister of the L1 pool failed: %s", exc)
+
+
+class _PinNewMaps:
+    """A client's hook: every pool it maps from now on (a restarted server's new
+    segment) starts being page-locked when it is mapped, before any copy needs it."""
+
+    def __init__(self, drv: CopyDriver, device: int) -> None:
+        self.drv, self.device = drv, device
+
+    def __call__(self, pool: PoolLike) -> None:
+        _pin(self.drv, self.device, pool)
+
+
+def _pin(drv: CopyDriver, device: int, pool: PoolLike) -> PoolPin:
+    """The pool mapping's page-locking, started now if it was not."""
+    with _pin_lock:
+        pin = pool.pinning.get("cuda")
+        if pin is None:
+            pin = pool.pinning["cuda"] = PoolPin(drv, device, pool.view)
+            _pinned[pin.address] = pin
+            pool.before_unmap.add(pin.undo)
+        if not any(isinstance(h, _PinNewMaps) for h in pool.on_new_map):
+            pool.on_new_map.append(_PinNewMaps(drv, device))
+    return pin
+
+
+def _ensure_pinned(drv: CopyDriver, device: int, pool: PoolLike) -> None:
+    """Before a copy: the pool is page-locked, or being page-locked on its own thread
+    (a large pool: this copy goes pageable), or could not be (pageable for good)."""
+    pin = _pin(drv, device, pool)
+    if not pin.done.is_set() and pin.nbytes <= PIN_WAIT_BYTES:
+        pin.done.wait()
 
 
 def unpin(view: np.ndarray) -> None:
-    """Undo the pinning of a pool mapping. The session's engine-driven copies add it to
-    the pool's hooks that run before the pool is unmapped."""
+    """Undo the page-locking of the pool mapping at ``view`` (the pool's unmapping
+    does this itself; for pools a caller maps)."""
     with _pin_lock:
-        entry = _pinned.pop(int(view.ctypes.data), None)
-    if entry is None:
-        return
-    drv, device, _ = entry
-    try:
-        with on_device(drv, device):
-            drv.host_unregister(int(view.ctypes.data))
-    except CudaError as exc:
-        log.warning("lmcache_mp: cudaHostUnregister of the L1 pool failed: %s", exc)
+        pin = _pinned.get(int(view.ctypes.data))
+    if pin is not None:
+        pin.undo()
 
 
 def pinned_pools() -> dict[int, int | None]:
-    """Pool address -> pinned bytes (None: copied pageable). For tests and the doctor."""
+    """Pool address -> pinned bytes (None: copied pageable), for every pool whose
+    page-locking has finished. For tests and the doctor."""
     with _pin_lock:
-        return {a: None if e is None else e[2] for a, e in _pinned.items()}
+        return {a: p.nbytes if p.pinned else None for a, p in _pinned.items()
+                if p.done.is_set()}
 
 
 # ------------------------------------------------- the engine-driven seam
@@ -312,28 +393,33 @@ def _cache_parts(cache: ExportableKVCache, stream: Any) -> tuple[CudaKVCache, Co
     return cache, drv, cache.resolve_stream(stream)
 
 
-def _copy(cache: ExportableKVCache, stream: Any, pool_view: np.ndarray,
+def _copy(cache: ExportableKVCache, stream: Any, pool: PoolLike,
           gather: Callable[[GatherCopier, int], bool],
           plan: Callable[[CudaKVCache], CopyPlan]) -> None:
     """One engine-driven transfer: the pool pinned, the blocks moved by the gather path
-    (``gather`` returns False where it cannot: the plan then) or the copy plan, and the
-    stream synchronised before returning."""
+    (``gather`` returns False where it cannot: the plan then; it waits for its own
+    work) or the copy plan, and the stream synchronised before returning or raising:
+    the COMMIT that follows (COMMIT_STORE publishes the slots, COMMIT_RETRIEVE lets
+    the server reuse them) must find no copy of ours still running, on an error path
+    too (a copy that raised after others were queued)."""
     cuda, drv, handle = _cache_parts(cache, stream)
     copier = cuda.gather_copier()
     with on_device(drv, cuda.device):
-        _ensure_pinned(drv, cuda.device, pool_view)
+        _ensure_pinned(drv, cuda.device, pool)
         try:
-            moved = copier is not None and gather(copier, handle)
-        except StagingUnavailable as exc:  # raised before anything was queued
-            _warn_staging(exc)
-            moved = False
-        if not moved:
-            run_plan(drv, plan(cuda), handle)
-        drv.stream_synchronize(handle)
+            try:
+                moved = copier is not None and gather(copier, handle)
+            except StagingUnavailable as exc:  # raised before anything was queued
+                _warn_staging(exc)
+                moved = False
+            if not moved:
+                run_plan(drv, plan(cuda), handle)
+        finally:
+            drv.stream_synchronize(handle)
 
 
 def device_copy_into_slots(cache: ExportableKVCache, ids: np.ndarray, targets: Sequence[np.ndarray],
-                           chunk_indices: Sequence[int], pool_view: np.ndarray,
+                           chunk_indices: Sequence[int], pool: PoolLike,
                            chunk_tokens: int, stream: Any) -> None:
     """STORE: copy the blocks of chunks ``chunk_indices`` into the checked slot views
     ``targets`` (pool memory), and wait for the copies before returning."""
@@ -343,12 +429,12 @@ def device_copy_into_slots(cache: ExportableKVCache, ids: np.ndarray, targets: S
         copier.store(ids, addrs, chunk_indices, chunk_tokens, handle)
         return True
 
-    _copy(cache, stream, pool_view, gather, lambda cuda: store_plan(
+    _copy(cache, stream, pool, gather, lambda cuda: store_plan(
         cuda.geometry, cuda.layer_ptrs, ids, addrs, chunk_indices, chunk_tokens))
 
 
 def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: Sequence[np.ndarray],
-                           pool_view: np.ndarray, chunk_tokens: int, skip_blocks: int,
+                           pool: PoolLike, chunk_tokens: int, skip_blocks: int,
                            stream: Any) -> None:
     """RETRIEVE: copy the checked slot views ``sources`` into the blocks, leaving the
     first ``skip_blocks`` alone, and wait for the copies before returning."""
@@ -360,5 +446,5 @@ def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: S
         copier.retrieve(ids, addrs, chunk_tokens, skip_blocks, handle)
         return True
 
-    _copy(cache, stream, pool_view, gather, lambda cuda: retrieve_plan(
+    _copy(cache, stream, pool, gather, lambda cuda: retrieve_plan(
         cuda.geometry, cuda.layer_ptrs, ids, addrs, chunk_tokens, skip_blocks))
