@@ -74,12 +74,20 @@ def clean_pins() -> Iterator[None]:
     forget_pins()
 
 
-def fake_cache(g: KVGeometry, seed: int) -> tuple[FakeDriver, CudaKVCache, list[np.ndarray]]:
+def fake_cache(g: KVGeometry, seed: int, one_allocation: bool = False
+               ) -> tuple[FakeDriver, CudaKVCache, list[np.ndarray]]:
     """A cache over fake device memory filled with random bytes (layers of a
     blocks-first cache share nothing here, but their blocks are strided all the same),
-    with each layer's raw bytes (numpy views over the fake's backing)."""
+    with each layer's raw bytes (numpy views over the fake's backing). Each layer an
+    allocation of its own, or (``one_allocation``, as vLLM allocates) all in one at
+    a constant stride, a little apart (padding between them)."""
     drv = FakeDriver()
-    ptrs = [drv.add_alloc(g.layer_nbytes, "vmm") for _ in range(g.num_layers)]
+    if one_allocation:
+        stride = g.layer_nbytes + 64
+        base = drv.add_alloc(stride * g.num_layers, "vmm")
+        ptrs = [base + i * stride for i in range(g.num_layers)]
+    else:
+        ptrs = [drv.add_alloc(g.layer_nbytes, "vmm") for _ in range(g.num_layers)]
     cache = CudaKVCache.from_pointers(
         ptrs, num_blocks=g.num_blocks, block_size=g.block_size, num_heads=g.num_heads,
         head_dim=g.head_dim, dtype=g.dtype, mla=g.mla, layout=g.layout, fused=g.fused,
@@ -224,6 +232,42 @@ def test_rounds_through_a_small_staging_buffer(name: str,
     back_want, _, _ = run_retrieve(g, "plan", ids, CHUNK + 8, monkeypatch)
     back_got, _, _ = run_retrieve(g, "gather", ids, CHUNK + 8, monkeypatch)
     assert back_got == back_want
+
+
+@pytest.mark.parametrize("name", GEOMETRIES)
+def test_layers_in_one_allocation_take_one_gather_per_round(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's layouts: every layer in one allocation at one stride. One index_select
+    (STORE) or index_copy_ (RETRIEVE) per round moves every plane and layer, the same
+    bytes as the plan; with layers apart, one per layer."""
+    g = GEOMETRIES[name]
+    ids = block_ids(g, 2, seed=14)
+    monkeypatch.setenv("LMCACHE_MP_GPU_COPY", "plan")
+    drv0, plan_cache, raws0 = fake_cache(g, seed=15, one_allocation=True)
+    pool0, slots0, buf0 = pool_and_slots(g, 2)
+    copy_into_slots(plan_cache, ids, slots0, [1, 0], pool0, CHUNK, stream=STREAM)  # type: ignore[arg-type]
+    back0, bslots0, _ = pool_and_slots(g, 2, seed=16)
+    copy_from_slots(plan_cache, ids[::-1].copy(), bslots0, back0, CHUNK, 8,  # type: ignore[arg-type]
+                    stream=STREAM)
+    forget_pins()
+    monkeypatch.setenv("LMCACHE_MP_GPU_COPY", "gather")
+    drv, cache, raws = fake_cache(g, seed=15, one_allocation=True)
+    pool, slots, buf = pool_and_slots(g, 2)
+    copy_into_slots(cache, ids, slots, [1, 0], pool, CHUNK, stream=STREAM)  # type: ignore[arg-type]
+    copier = cache.gather_copier()
+    assert copier is not None and copier.one_gather
+    assert "one gather per round for every layer" in cache.copy_path
+    kernels = [n for n, _ in drv.streams.issued if n.startswith("torch")]
+    assert kernels == ["torch aten.index_select.out"] * 2  # two rounds of one object
+    assert buf.tobytes() == buf0.tobytes()
+    back, bslots, _ = pool_and_slots(g, 2, seed=16)
+    copy_from_slots(cache, ids[::-1].copy(), bslots, back, CHUNK, 8, stream=STREAM)  # type: ignore[arg-type]
+    assert [r.tobytes() for r in raws] == [r.tobytes() for r in raws0]
+    assert not drv.races
+    _, apart, _ = fake_cache(g, seed=15)
+    pool2, slots2, _ = pool_and_slots(g, 2)
+    copy_into_slots(apart, ids, slots2, [1, 0], pool2, CHUNK, stream=STREAM)  # type: ignore[arg-type]
+    assert "one gather per layer and round" in apart.copy_path
 
 
 def test_a_planted_wrong_index_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -448,7 +448,7 @@ class CudaKVCache:
     def copy_path(self) -> str:
         """How engine-driven copies move this cache's blocks: ``"gather (<how>)"``
         (gathers / scatters on the GPU, one DMA per chunk object; ``<how>``: one
-        kernel per round for every layer or one per (plane, layer), and what the
+        kernel per round for every layer or one per layer, and what the
         staging buffer holds, smaller than asked near the memory limit),
         ``"plan: <why>"`` (one DMA per head and run of blocks: no torch, no room for one
         chunk object of staging, ...), or ``"undecided"`` before the first copy."""

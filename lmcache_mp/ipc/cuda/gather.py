@@ -17,7 +17,7 @@ the GPU, at HBM speed, and the PCIe side is one large DMA per chunk object:
   ``index_copy_`` into the blocks (the skipped leading blocks left out of the index).
 * Kernels: where the layers sit at one constant stride in one allocation (vLLM's own
   layouts: one tensor for all layers), one gather / scatter per round moves every
-  plane and layer; otherwise one per (plane, layer).
+  plane and layer; otherwise one per layer (both planes).
 
 Ordering (what makes it safe for any caller; CUDA Runtime API: stream semantics,
 ``cudaEventRecord``, ``cudaStreamWaitEvent``, ``cudaStreamSynchronize``):
@@ -191,11 +191,12 @@ def _block_axes(g: KVGeometry, unit: int) -> tuple[tuple[int, ...], tuple[int, .
     return (nb, bs, h, row), (step, *inner, 1), offsets
 
 
-def block_views(g: KVGeometry, layers: Sequence[Any], unit: int) -> list[list[Any]]:
-    """Per plane, per layer: the layer's blocks as ``[num_blocks, block_size, heads,
+def block_views(g: KVGeometry, layers: Sequence[Any], unit: int) -> list[Any]:
+    """Per layer: its planes' blocks as ``[planes, num_blocks, block_size, heads,
     row]`` over the flat integer tensors ``layers``."""
     shape, strides, offsets = _block_axes(g, unit)
-    return [[t.as_strided(shape, strides, off) for t in layers] for off in offsets]
+    plane = offsets[1] if len(offsets) > 1 else 0
+    return [t.as_strided((len(offsets), *shape), (plane, *strides), 0) for t in layers]
 
 
 def all_layer_view(g: KVGeometry, flat: Any, unit: int, stride_units: int) -> Any:
@@ -249,9 +250,9 @@ class GatherCopier:
         self._unit = _unit(g, layer_ptrs)
         dtype = getattr(torch, _INT_TYPES[self._unit])
         stride = layer_stride(driver, g, layer_ptrs)
-        # (view, the axis of its blocks, which (plane, layer) of a round's staging it
-        # fills: None for all of them)
-        self._parts: list[tuple[Any, int, tuple[int, int] | None]]
+        # (view, the axis of its blocks, which layer of a round's staging it fills:
+        # None for all of them)
+        self._parts: list[tuple[Any, int, int | None]]
         if stride is not None:
             span = stride * (g.num_layers - 1) + g.layer_nbytes
             # A span of whole units (a blocks-first layer may not end on one: the views
@@ -264,9 +265,8 @@ class GatherCopier:
             raw = [driver.torch_bytes(p, g.layer_nbytes, device) for p in layer_ptrs]
             flat_layers = [t[: g.layer_nbytes // self._unit * self._unit].view(dtype)
                            for t in raw]
-            self._parts = [(view, 0, (p, layer))
-                           for p, views in enumerate(block_views(g, flat_layers, self._unit))
-                           for layer, view in enumerate(views)]
+            self._parts = [(view, 1, layer) for layer, view in
+                           enumerate(block_views(g, flat_layers, self._unit))]
         #: Every plane and layer in one gather per round (vLLM's layouts).
         self.one_gather = stride is not None
         self._planes = 1 if g.mla or g.fused else 2
@@ -299,7 +299,7 @@ class GatherCopier:
         if self._unavailable is not None:
             return f"plan: {self._unavailable}"
         kernels = ("one gather per round for every layer" if self.one_gather
-                   else "one gather per (plane, layer) and round")
+                   else "one gather per layer and round")
         return f"gather ({kernels}" + (f"; {self.note})" if self.note else ")")
 
     @property
@@ -535,12 +535,13 @@ class GatherCopier:
 
     def _gather(self, index: Any, staged: Any) -> None:
         torch = self._torch
-        for view, axis, at in self._parts:
-            torch.index_select(view, axis, index, out=staged if at is None else staged[at])
+        for view, axis, layer in self._parts:
+            torch.index_select(view, axis, index,
+                               out=staged if layer is None else staged[:, layer])
 
     def _scatter(self, index: Any, staged: Any) -> None:
-        for view, axis, at in self._parts:
-            view.index_copy_(axis, index, staged if at is None else staged[at])
+        for view, axis, layer in self._parts:
+            view.index_copy_(axis, index, staged if layer is None else staged[:, layer])
 
     @staticmethod
     def can_scatter(ids: np.ndarray) -> bool:

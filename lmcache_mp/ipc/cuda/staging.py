@@ -9,14 +9,17 @@ management (PyTorch ``expandable_segments``, vLLM's cumem allocator), Jetson-cla
 How one transfer runs (called from :mod:`lmcache_mp.session.engine_driven` between PREPARE_*
 and COMMIT_*, after every slot was checked):
 
-* the pool mapping is page-locked once (``cudaHostRegister``, portable), so copies to
-  and from it are DMA; a pool that cannot be pinned (``RLIMIT_MEMLOCK``) is copied
-  pageable, slower but correct. The pinning is undone before the pool is unmapped.
-  Like the rest of the memory layer this never imports :mod:`lmcache_mp.protocol`.
-* how the blocks move: by default the gather path (:mod:`.gather`: one gather or
-  scatter per (plane, layer) on the GPU through a staging buffer, one DMA per chunk
-  object) when torch can view the cache's memory; else, and for a RETRIEVE naming a
-  block twice or when the staging buffer cannot be allocated, the copy plan below.
+* the pool mapping is page-locked (``cudaHostRegister``, portable), so copies to and
+  from it are DMA: a small pool before the first copy goes on, a large one (a
+  server's L1: GiBs) on a thread of its own, the copies meanwhile pageable, never on
+  the caller's thread; a restarted server's pool from when the client maps it. A pool
+  that cannot be pinned (``RLIMIT_MEMLOCK``) is copied pageable, slower but correct.
+  The pinning is undone before the pool is unmapped. Like the rest of the memory
+  layer this never imports :mod:`lmcache_mp.protocol`.
+* how the blocks move: by default the gather path (:mod:`.gather`: gathers or
+  scatters on the GPU through a staging buffer, one DMA per chunk object) when torch
+  can view the cache's memory; else, and for a RETRIEVE naming a block twice or when
+  not one chunk object of staging can be allocated, the copy plan below.
   ``LMCACHE_MP_GPU_COPY=plan`` forces the plan (to compare; tests).
 * the copy plan (:func:`store_plan` / :func:`retrieve_plan`): a chunk object is
   token-major (``[2, layers, tokens, heads * head_dim]``) and an HND block head-major,
@@ -28,7 +31,8 @@ and COMMIT_*, after every slot was checked):
   objects are ``[layers, tokens, heads * C]``); blocks-first ones have their blocks a
   page apart, so a run of blocks is never one copy there.
 * the copies go on the caller's stream, after the work already queued there (the
-  engine's writes of the blocks), and that stream is synchronised before returning:
+  engine's writes of the blocks; the gather path's DMAs on a copy stream of its own,
+  ordered by events), and the host waits for them before returning, or raising:
   for STORE because COMMIT_STORE publishes the slots, for RETRIEVE because
   COMMIT_RETRIEVE releases the read locks that keep the server from reusing them. Work
   the caller queues afterwards on that stream sees the retrieved blocks.
