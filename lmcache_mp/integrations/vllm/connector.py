@@ -236,8 +236,9 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
-        self.scheduler.update_connector_output(connector_output.finished_recving,
-                                                connector_output.finished_sending)
+        self.scheduler.update_connector_output(
+            connector_output.finished_recving, connector_output.finished_sending,
+            getattr(connector_output, "invalid_block_ids", None))
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

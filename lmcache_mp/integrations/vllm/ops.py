@@ -37,6 +37,19 @@ class TransferOp:
     def wire_id(self) -> str:
         return self.session_id or self.request_id
 
+    @property
+    def written_block_ids(self) -> tuple[int, ...]:
+        """The blocks a RETRIEVE writes: all but those of its first
+        ``skip_first_n_tokens`` (vLLM's own prefix-cache blocks, whole blocks: the
+        range starts at a chunk boundary, the skip ends at a block boundary). A failed
+        load reports only these: the skipped ones are computed KV that other running
+        requests may share, and vLLM would rewind (or, under the ``fail`` policy, fail)
+        every request holding a block reported."""
+        if not self.skip_first_n_tokens:
+            return self.block_ids
+        per_block = (self.end - self.start) // max(1, len(self.block_ids))
+        return self.block_ids[self.skip_first_n_tokens // max(1, per_block):]
+
 
 @dataclass
 class StepOps:

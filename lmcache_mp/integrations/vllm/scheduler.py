@@ -120,6 +120,13 @@ class Tracker:
     #: vLLM discards external hits for this request (prompt logprobs, ...): it is
     #: never looked up, its chunks are still stored.
     no_reads: bool = False
+    #: The blocks the ordered RETRIEVE writes (``TransferOp.written_block_ids``): a
+    #: failed load reports these, and only these, to vLLM.
+    load_blocks: frozenset[int] = frozenset()
+    #: A load of this request failed: it is not looked up again (a preempted request
+    #: would otherwise look up, load and fail again, forever, while the server
+    #: answers lookups but the load cannot work); it computes, and stores, what it needs.
+    load_failed: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -247,7 +254,9 @@ class SchedulerSide:
             # LMCache's connector does. Its server session goes on (same session id).
             log.debug("lmcache_mp connector: request %s was preempted; looking it up "
                       "again", request.request_id)
-            session_id, t = t.session_id, None
+            load_failed, session_id, t = t.load_failed, t.session_id, None
+        else:
+            load_failed = False
         if t is None:
             salt = getattr(request, "cache_salt", None) or ""
             if session_id is None:
@@ -261,7 +270,8 @@ class SchedulerSide:
                 except InvalidArgument as err:  # token ids outside uint32
                     reason = f"its token ids are not LMCache's ({err})"
             t = Tracker(request.request_id, key, int(request.num_prompt_tokens), salt,
-                        session_id, request, no_reads=skips_external_kv(request))
+                        session_id, request, no_reads=skips_external_kv(request) or load_failed,
+                        load_failed=load_failed)
             if reason:
                 log.debug("lmcache_mp connector: request %s bypasses the cache: %s",
                           request.request_id, reason)
@@ -301,7 +311,7 @@ class SchedulerSide:
                 # Scheduled again from scratch after a failed load (vLLM freed the
                 # blocks): recompute without the cache, as LMCache's connector does;
                 # what it computes is stored again (the server keeps one copy).
-                if (t.hit or 0) > 0:
+                if (t.hit or 0) > 0 and not t.load_failed:
                     log.warning("lmcache_mp connector: request %s is recomputed without "
                                 "the cache (its KV load failed)", t.request_id)
                 t.state, t.hit, t.stored, t.scheduled = State.READY, 0, 0, 0
@@ -520,9 +530,10 @@ class SchedulerSide:
         chunk = self.chunk_size
         assert chunk is not None and t.hit is not None
         start = t.vllm_hit // chunk * chunk
-        return TransferOp("RETRIEVE", t.request_id, start, t.hit,
-                          self._blocks(t, start, t.hit), t.salt, t.vllm_hit - start,
-                          t.session_id)
+        op = TransferOp("RETRIEVE", t.request_id, start, t.hit, self._blocks(t, start, t.hit),
+                        t.salt, t.vllm_hit - start, t.session_id)
+        t.load_blocks = frozenset(op.written_block_ids)
+        return op
 
     def _scheduled(self, step: StepOps, rid: str, out: Any, new_blocks: list[int] | None
                    ) -> None:
@@ -567,13 +578,23 @@ class SchedulerSide:
 
     # -------------------------------------------------------------- finishing
     def update_connector_output(self, finished_recving: Iterable[str] | None,
-                                finished_sending: Iterable[str] | None = None) -> None:
-        """The workers' reports of a step (all ranks): loads that are done, and held
-        requests whose stores are done."""
+                                finished_sending: Iterable[str] | None = None,
+                                invalid_block_ids: Iterable[int] | None = None) -> None:
+        """The workers' reports of a step (all ranks): loads that are done, held
+        requests whose stores are done, and the blocks of failed loads (a request
+        whose load failed is never loaded again: ``Tracker.load_failed``)."""
         done = set(finished_recving or ())
         sent = set(finished_sending or ())
-        if done or sent:
+        invalid = set(invalid_block_ids or ())
+        if done or sent or invalid:
             for t in [*self.trackers.values(), *self._finishing]:
+                if invalid and not t.load_failed and t.load_blocks & invalid:
+                    # Once per request (a rank's report may come a step before the
+                    # others'): the workers logged why the load failed.
+                    t.load_failed = True
+                    log.warning("lmcache_mp connector: request %s is recomputed without "
+                                "the cache: its KV load failed (the workers say why); it is "
+                                "not loaded from the cache again", t.request_id)
                 if t.request_id in done:
                     t.load_ordered = False
                 if t.request_id in sent:

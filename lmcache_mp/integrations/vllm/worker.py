@@ -6,7 +6,9 @@ A request the scheduler holds (``StepOps.held``: vLLM keeps its blocks for its s
 is reported "finished sending" once its stores on this rank are done, and no other
 request is; every RETRIEVE, done or failed, is reported "finished receiving" (vLLM
 waits for that report, also for an aborted request); a failed or dropped RETRIEVE
-reports its blocks through :meth:`load_errors` so vLLM recomputes them. While the client's heartbeat says the
+reports the blocks it was to write through :meth:`load_errors` so vLLM recomputes them
+(never those of ``skip_first_n_tokens``: vLLM's own computed blocks, which running
+requests may share: ``TransferOp.written_block_ids``). While the client's heartbeat says the
 server is down nothing is sent (loads fail at once, stores are skipped), so a dead
 server never holds the forward pass; the registration re-registers itself when the
 server is back (lmcache_mp's recovery).
@@ -277,7 +279,7 @@ class WorkerSide:
                                 op.request_id, err)
             tokens = op.end - op.start - op.skip_first_n_tokens
             self._loads.setdefault(op.request_id, []).append(
-                (future, op.block_ids, tokens, time.monotonic()))
+                (future, op.written_block_ids, tokens, time.monotonic()))
 
     def start_stores(self, step: StepOps) -> None:
         self._learn(step)

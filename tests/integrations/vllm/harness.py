@@ -37,6 +37,7 @@ Also a script: ``python harness.py SPEC.json`` prints a JSON result.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import pickle
@@ -125,6 +126,11 @@ class RequestResult:
     #: Tokens already computed each time it was scheduled again after a preemption.
     resumed: list[int] | None = None
     aborted: bool = False  # aborted while waiting for its KV load (``Engine.run``)
+    #: Times vLLM took computed tokens back from it while it kept running (a failed
+    #: load's invalid blocks it holds), and its status when it left the engine.
+    rewound: int = 0
+    status: str = ""
+    output_tokens: int = 0
 
 
 def v1_model_runner_mixin() -> Any:
@@ -230,7 +236,8 @@ class Engine:
                  prefix_caching: bool = True, mla: bool = False,
                  backend: str = "CPU_ATTN", extensible: bool | None = None,
                  kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
-                 warmup_blocks: int = WARMUP_BLOCKS) -> None:
+                 warmup_blocks: int = WARMUP_BLOCKS,
+                 failure_policy: str = "recompute") -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -257,7 +264,7 @@ class Engine:
         kv_cfg = KVTransferConfig(kv_connector=connector[0],
                                   kv_connector_module_path=connector[1], kv_role="kv_both",
                                   kv_connector_extra_config=extra,
-                                  kv_load_failure_policy="recompute")
+                                  kv_load_failure_policy=failure_policy)
         self.config = VllmConfig(
             model_config=model_cfg,
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
@@ -339,6 +346,10 @@ class Engine:
         self._aggregator: Any = None
         #: Called once, when a step first carries a RETRIEVE, before the workers run.
         self.on_retrieve: Any = None
+        #: Request id -> called once, when a step first orders that request's RETRIEVE.
+        self.on_retrieve_of: dict[str, Any] = {}
+        #: num_computed_tokens of the running requests after the last step (rewinds).
+        self._computed: dict[str, int] = {}
 
     def _rank(self, cfg: Any, kv_cache_config: Any, layout: Any
               ) -> tuple[Any, Any, Any, dict[str, torch.Tensor]]:
@@ -460,10 +471,14 @@ class Engine:
 
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
-        if self.on_retrieve and getattr(getattr(meta, "step", None), "retrieves", list)():
+        retrieves = getattr(getattr(meta, "step", None), "retrieves", list)()
+        if self.on_retrieve and retrieves:
             # Between the scheduler's lookup and the workers' RETRIEVE (our connector).
             hook, self.on_retrieve = self.on_retrieve, None
             hook()
+        for op in retrieves:
+            if op.request_id in self.on_retrieve_of:
+                self.on_retrieve_of.pop(op.request_id)()
         wire = pickle.dumps(out)
         outputs = []
         for rank, worker in enumerate(self.workers):
@@ -495,6 +510,10 @@ class Engine:
         mro = runner_output(ModelRunnerOutput, req_ids, sampled_token_ids=sampled,
                             kv_connector_output=kvo)
         self.scheduler.update_from_output(out, mro)
+        for req in self.scheduler.running:  # computed tokens taken back: a rewind
+            if req.num_computed_tokens < self._computed.get(req.request_id, 0):
+                self.results[req.request_id].rewound += 1
+        self._computed = {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
         if not req_ids:
             _time.sleep(0.005)  # only transfers in flight: let them progress
 
@@ -676,6 +695,8 @@ def main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     which = LMCACHE if spec["connector"] == "lmcache" else OURS
+    if spec.get("refuse_registration"):
+        _refuse_registrations()
     if spec.get("layout"):
         os.environ["VLLM_KV_CACHE_LAYOUT"] = spec["layout"]
     eng = Engine(which, spec["extra"], tp=spec.get("tp", 1), mla=spec.get("mla", False),
@@ -684,7 +705,8 @@ def main(spec_path: str) -> None:
                  prefix_caching=spec.get("prefix_caching", True),
                  extensible=spec.get("extensible"),
                  kv_heads=spec.get("kv_heads", KV_HEADS), head_dim=spec.get("head_dim", HEAD_DIM),
-                 warmup_blocks=spec.get("warmup_blocks", WARMUP_BLOCKS))
+                 warmup_blocks=spec.get("warmup_blocks", WARMUP_BLOCKS),
+                 failure_policy=spec.get("failure_policy", "recompute"))
     out: dict[str, Any] = {"requests": {}, "phase_seconds": [], "vllm": vllm_release()}
     lookups: dict[str, int] = {}
     instances: list[list[int]] = [[] for _ in eng.workers]
@@ -699,13 +721,21 @@ def main(spec_path: str) -> None:
                         max_tokens=r.get("max_tokens", 3),
                         prompt_logprobs=r.get("prompt_logprobs"))
             hooks = {int(k): v for k, v in phase.get("on_step", {}).items()}
+            later = {int(k): v for k, v in phase.get("later", {}).items()}
             if "on_retrieve" in phase:
                 argv = phase["on_retrieve"]
                 eng.on_retrieve = lambda argv=argv: subprocess.run(argv, check=True)
+            for rid, argv in phase.get("on_retrieve_of", {}).items():
+                eng.on_retrieve_of[rid] = functools.partial(
+                    _run_then_wait, eng, argv, phase.get("then_wait_unhealthy", False))
 
-            def on_step(n: int, hooks: dict[int, list[str]] = hooks) -> None:
+            def on_step(n: int, hooks: dict[int, list[str]] = hooks,
+                        later: dict[int, list[dict[str, Any]]] = later) -> None:
                 if n in hooks:
                     subprocess.run(hooks[n], check=True)
+                for r in later.get(n, ()):
+                    eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"),
+                            max_tokens=r.get("max_tokens", 3))
 
             eng.run(on_step=on_step, abort=phase.get("abort_when_loading", ()))
             eng.drain()
@@ -717,6 +747,9 @@ def main(spec_path: str) -> None:
                 eng.wake()
             if "sleep_after" in phase:
                 time.sleep(phase["sleep_after"])
+        for req in eng.finished_requests:
+            res = eng.results[req.request_id]
+            res.status, res.output_tokens = req.status.name, len(req.output_token_ids)
         out["requests"] = {rid: vars(r) for rid, r in eng.results.items()}
         out["preemptions"] = sum(getattr(r, "num_preemptions", 0)
                                  for r in eng.finished_requests)
@@ -731,6 +764,34 @@ def main(spec_path: str) -> None:
     finally:
         eng.shutdown()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def _refuse_registrations() -> None:
+    """Every REGISTER_KV_CACHE of this engine's workers is refused, as by a server that
+    answers everything else (probes, lookups: another engine stored the prefixes):
+    an error the worker retries in the background, meanwhile its loads fail at once.
+    The one stand-in of the harness for a server's behaviour."""
+    from lmcache_mp.client import Client
+    from lmcache_mp.errors import LMCacheMPError
+
+    def refused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise LMCacheMPError("REGISTER_KV_CACHE refused (the harness's refusing server)")
+
+    Client.register = refused  # type: ignore[method-assign]
+
+
+def _run_then_wait(eng: Engine, argv: list[str], wait_unhealthy: bool) -> None:
+    """``argv`` (e.g. stopping the server); then, with ``wait_unhealthy``, until every
+    worker's client has seen the server's heartbeats stop (at most 30 s): a RETRIEVE
+    ordered now then fails at once instead of at its deadline."""
+    import subprocess
+    import time
+
+    subprocess.run(argv, check=True)
+    limit = time.monotonic() + 30
+    while wait_unhealthy and time.monotonic() < limit and any(
+            w.worker.client.healthy for w in eng.workers):
+        time.sleep(0.05)
 
 
 def vllm_release() -> str:

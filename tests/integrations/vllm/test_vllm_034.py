@@ -29,8 +29,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, LiveServer, start_server
-from tests.integrations.vllm.engines import engine_env, vllm_python, vllm_version
+from lmcache_mp import Client, CpuKVCache
+from tests.conftest import REPO, SERVER_SCRIPT, LiveServer, start_server
+from tests.integrations.vllm.engines import engine_env, engine_tmpdir, vllm_python, vllm_version
 from tests.integrations.vllm.test_vllm_live import CHUNK, loaded, req, run_engine, tokens
 from tests.support.live_helpers import both_modes_args
 
@@ -181,3 +182,74 @@ def test_vllms_token_buffer_is_packed_without_a_python_loop(checks: dict[str, An
     assert out["buffer"] == "vllm.v1.token_buffer.TokenBuffer" and "array" in out["bases"]
     assert out["packed_as"] == "ndarray" and out["same_bytes"]
     assert out["grew_to"] == 5001  # the buffer was not left pinned by an export
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_load_touches_only_the_blocks_it_was_to_write(
+        policy: str, tmp_path: Path) -> None:
+    """B runs (decoding) with 288 tokens of its prompt shared with A's; A arrives, vLLM's
+    prefix cache covers those 288 tokens, the server holds 768: A's RETRIEVE starts at
+    256 and skips 32 tokens (two of B's blocks, computed KV). The server is stopped as
+    A's RETRIEVE goes out, so the load fails. Only the blocks it was to write are
+    reported: B keeps its computed tokens and blocks and finishes, under both vLLM
+    policies (vLLM's own _handle_invalid_blocks scans running requests). Before
+    (1470964) B's two shared blocks were reported too: vLLM rewound B to 256 tokens
+    (``recompute``) or failed it (``fail``)."""
+    s = start_server(*both_modes_args(f"v034f{os.getpid()}"))
+    try:
+        p = tokens(348, 3 * CHUNK + 40)
+        run_engine(tmp_path, "ours", [s.url], [{"requests": [req("s", p)]}])
+        b = {**req("b", p[:300] + tokens(349, 20)), "max_tokens": 200}
+        stop = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
+        r = run_engine(tmp_path, "ours", [s.url], [{
+            "requests": [b], "later": {"3": [req("a", p)]},
+            "on_retrieve_of": {"a": stop}, "then_wait_unhealthy": True}],
+            extra={"lmcache.mp.heartbeat_interval": 0.5, "lmcache.mp.health_interval": 0.5,
+                   "lmcache.mp.mq_timeout": 2, "lmcache.mp.transfer_timeout": 5},
+            num_blocks=128, failure_policy=policy)
+        rb, ra = r["requests"]["b"], r["requests"]["a"]
+        assert r["stats"]["load_errors"] == 1  # A's; B's own load (256 tokens) succeeded
+        assert loaded(r, "b") == CHUNK
+        assert rb["rewound"] == 0, "B lost computed tokens to A's failed load"
+        assert rb["status"] == "FINISHED_LENGTH_CAPPED" and rb["output_tokens"] == 200
+        if policy == "recompute":  # A: its own 288 tokens kept, the rest computed
+            assert loaded(r, "a") == 288 and ra["status"] == "FINISHED_LENGTH_CAPPED"
+        else:
+            assert ra["status"] == "FINISHED_ERROR"
+    finally:
+        s.stop()
+
+
+def test_a_preempted_request_whose_load_failed_is_not_looked_up_again(
+        server: LiveServer, tmp_path: Path) -> None:
+    """This engine's registration is refused while the server answers probes and
+    lookups (another replica of the model is registered: the servers answer lookups of
+    registered models only): each load fails at once. Two requests with hits, decoding
+    in a cache too small for both (vLLM preempts one, ``recompute`` policy): a request
+    whose load failed is not looked up again when it is scheduled again, so it does not
+    look up, allocate and fail forever; both finish, recomputed, every token's KV
+    verified, the reason logged once per request. Before (1470964) the preempted
+    request looped until the engine's deadline."""
+    p, q = tokens(350, 2 * CHUNK + 5), tokens(351, 2 * CHUNK + 5)
+    run_engine(tmp_path, "ours", [server.url], [{"requests": [req("sp", p), req("sq", q)]}])
+    with Client(server.url, timeout=10.0) as client:
+        replica = client.register(
+            CpuKVCache.allocate(num_layers=1, num_blocks=4, block_size=16, num_heads=1,
+                                head_dim=8, dtype="float16"),
+            model_name=str(engine_tmpdir() / "lmcache_mp_vllm_tiny_llama"), mode="engine")
+        try:
+            r = run_engine(tmp_path, "ours", [server.url], [{"requests": [
+                {**req("p", p), "max_tokens": 230}, {**req("q", q), "max_tokens": 230}]}],
+                extra={"lmcache.mp.lookup_wait": 1.0, "lmcache.mp.health_interval": 0.5},
+                num_blocks=80, prefix_caching=False, refuse_registration=True,
+                timeout=200)
+        finally:
+            replica.unregister()
+    assert r["preemptions"] >= 1
+    for rid in ("p", "q"):
+        x = r["requests"][rid]
+        assert x["verified"] and x["status"] == "FINISHED_LENGTH_CAPPED"
+        assert x["output_tokens"] == 230
+        assert r["lookups"][rid] == 1, f"{rid} looked up again after its load failed"
+        assert r["log"].count(f"request {rid} is recomputed without the cache") == 1
+    assert r["stats"]["load_errors"] == 2 and r["stats"]["retrieved"] == 0
