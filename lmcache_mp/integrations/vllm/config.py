@@ -86,6 +86,15 @@ class ConnectorConfig:
     #: leaves a few ERROR lines in the server's log on some releases; "0.5.3", "0.5.5",
     #: "0.5.6" or "0.5.7": no probe). ``lmcache-mp info URL`` prints the value to set.
     protocol: str = "auto"
+    #: The model's weights version: it enters the key (the model name the servers
+    #: see, ``<model>##weights-<version>``), so an engine started with new weights
+    #: never loads the KV of other versions, which stay for engines of those (ours:
+    #: "", the model name alone, as LMCache's connector keys).
+    weights_version: str = ""
+    #: ``reset_cache`` (vLLM: ``LLM.sleep(reset_connector=True)``, a weight update)
+    #: also sends CLEAR to every server, which drops every model's unlocked entries
+    #: there, not only this engine's (LMCache's connector always does).
+    clear_on_reset: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, *,
@@ -97,7 +106,7 @@ class ConnectorConfig:
         known = {"server_urls", "host", "port", "mq_timeout", "heartbeat_interval",
                  "mp_transfer_mode", "save_decode_cache", "transfer_timeout",
                  "lookup_timeout", "lookup_wait", "health_interval", "protocol",
-                 "eager_prefetch", "l2_load_timeout"}
+                 "eager_prefetch", "l2_load_timeout", "weights_version", "clear_on_reset"}
         for k in sorted(raw):
             refused = next((why for p, why in REFUSED.items() if k.startswith(p)), None)
             if refused is not None:
@@ -143,7 +152,14 @@ class ConnectorConfig:
             health_interval=_seconds(raw, "health_interval", cls.health_interval),
             eager_prefetch=_bool(raw.get("eager_prefetch", cls.eager_prefetch)),
             l2_load_timeout=_seconds(raw, "l2_load_timeout", cls.l2_load_timeout),
+            weights_version=str(raw.get("weights_version", "") or ""),
+            clear_on_reset=_bool(raw.get("clear_on_reset", False)),
         )
+
+    def keyed_model_name(self, model: str) -> str:
+        """The model name the servers see: vLLM's ``model_config.model``, with the
+        weights version when one is set (``weights_version``)."""
+        return f"{model}##weights-{self.weights_version}" if self.weights_version else model
 
 
 def _urls(raw: Mapping[str, Any]) -> tuple[str, ...]:

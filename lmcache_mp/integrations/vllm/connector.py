@@ -67,7 +67,7 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = ConnectorConfig.from_extra(extra)
         pc = vllm_config.parallel_config
-        self.model_name = str(vllm_config.model_config.model)
+        self.model_name = self.cfg.keyed_model_name(str(vllm_config.model_config.model))
         if getattr(pc, "decode_context_parallel_size", 1) > 1:
             raise InvalidArgument("decode-context parallelism is not supported by the "
                                   "lmcache_mp connector yet")
@@ -239,6 +239,12 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler.update_connector_output(
             connector_output.finished_recving, connector_output.finished_sending,
             getattr(connector_output, "invalid_block_ids", None))
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's cache reset (``LLM.sleep(reset_connector=True)``, the default; a pause
+        that clears caches; a weight update): this engine never loads KV stored before
+        it (scheduler.py ``SchedulerSide.reset``). True; None on a worker."""
+        return None if self.scheduler is None else self.scheduler.reset()
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

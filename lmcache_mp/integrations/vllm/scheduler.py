@@ -42,8 +42,10 @@ without vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
+import hashlib
 import itertools
 import logging
 import threading
@@ -54,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import InvalidArgument, LMCacheMPError, RequestTimeout
-from ...keys import CacheKey
+from ...keys import SALT_MAX_LEN, CacheKey
 from .compat import resumed_req_ids, skips_external_kv, token_ids
 from .config import ConnectorConfig, salt_usable
 from .ops import StepOps, TransferOp
@@ -171,6 +173,9 @@ class SchedulerSide:
         # Session ids: vLLM's request id + this scheduler's nonce + a per-tracker count.
         self._session_nonce = uuid.uuid4().hex[:8]
         self._session_count = itertools.count()
+        #: vLLM's cache resets so far (:meth:`reset`): every key made after the n-th
+        #: carries it in its cache salt, so nothing stored before is loaded again.
+        self.generation = 0
         self._stop = threading.Event()
         self._health_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -260,9 +265,9 @@ class SchedulerSide:
         if t is None:
             salt = getattr(request, "cache_salt", None) or ""
             if session_id is None:
-                session_id = (f"{request.request_id}~{self._session_nonce}"
-                              f"{next(self._session_count):x}")
+                session_id = self._new_session(request.request_id)
             reason = _bypass_reason(request, salt)
+            salt = self._wire_salt(salt)
             key = None
             if reason is None:
                 try:
@@ -278,6 +283,74 @@ class SchedulerSide:
                 t.state = State.BYPASS
             self.trackers[t.request_id] = t
         return t
+
+    def _new_session(self, request_id: str) -> str:
+        return f"{request_id}~{self._session_nonce}{next(self._session_count):x}"
+
+    def _wire_salt(self, salt: str) -> str:
+        """The cache salt a request's keys carry: its own, and after a cache reset the
+        reset's generation (within LMCache's 128 characters: a long salt is hashed)."""
+        if not self.generation:
+            return salt
+        tag = f"#reset{self.generation}"
+        if len(salt) + len(tag) > SALT_MAX_LEN:
+            salt = "h" + hashlib.sha256(salt.encode()).hexdigest()[:40]
+        return salt + tag
+
+    # ----------------------------------------------------------------- reset
+    def reset(self) -> bool:
+        """vLLM's ``reset_cache``: ``LLM.sleep`` (its ``reset_connector`` is True by
+        default), a pause that clears caches, a weight update. From now on this
+        engine's keys carry a new generation in their cache salt, so it never loads
+        anything stored before, the old weights' KV and stores still in flight
+        included; another engine loads those only with the same salt and generation
+        0 (an engine on the old weights; one started with new weights sets
+        ``lmcache.mp.weights_version``). Nothing is deleted unless
+        ``lmcache.mp.clear_on_reset``, whose CLEAR drops every model's unlocked
+        entries on every server. Live requests: one still to be looked up starts
+        afresh; one whose blocks wait for a load gets it under the new key (nothing
+        there yet: the load fails and vLLM computes them); one computing stores under
+        the new key. Each old server session is ended and its read locks freed.
+        True (a CLEAR that fails is logged: the generation alone keeps old KV out)."""
+        self.generation += 1
+        chunk = self._chunk_size or 1
+        for t in list(self.trackers.values()):
+            if t.state is State.BYPASS or t.key is None:
+                continue
+            if t.state is State.LOOKUP:  # its lookup's locks freed; looked up afresh
+                del self.trackers[t.request_id]
+                self._end(t)
+                continue
+            # The old session (its locks, END_SESSION) leaves as a finished request.
+            old = dataclasses.replace(t, state=State.READY, load_ordered=False,
+                                      sending=False, frees=[])
+            t.lookups = {}
+            if t.state is State.LOADING:  # the locks its RETRIEVE would have released
+                for url in self.clients:
+                    self._free(url, old, t.vllm_hit // chunk * chunk, t.hit or 0)
+            self._end(old)
+            t.session_id = self._new_session(t.request_id)
+            t.salt = self._wire_salt(getattr(t.request, "cache_salt", None) or "")
+            t.key = self._base_key(t.request.all_token_ids, t.session_id, t.salt)
+        if self.cfg.clear_on_reset:
+            self._clear_servers()
+        log.info("lmcache_mp connector: cache reset (generation %d): nothing stored "
+                 "before is loaded by this engine%s", self.generation,
+                 "; CLEAR sent to every server" if self.cfg.clear_on_reset else "")
+        return True
+
+    def _clear_servers(self) -> None:
+        """A non-forced CLEAR to every server (servers up to 0.5.5 always force),
+        waited for at most ``mq_timeout``; failures are logged."""
+        futures = {url: _try(functools.partial(client.clear_async, force=False,
+                                               timeout=self.cfg.mq_timeout))
+                   for url, client in self.clients.items() if self.healthy.get(url)}
+        for url, future in futures.items():
+            try:
+                if future is not None:
+                    future.result()
+            except LMCacheMPError as err:
+                log.warning("lmcache_mp connector: CLEAR of %s on reset failed: %s", url, err)
 
     def _key(self, t: Tracker, start: int, end: int) -> CacheKey:
         assert t.key is not None  # only a bypassing request has none, and sends nothing

@@ -389,12 +389,16 @@ class Engine:
             kv_transfer_state._KV_CONNECTOR_AGENT = None
 
     # ---------------------------------------------------------------- sleep mode
-    def sleep(self) -> None:
-        """``LLM.sleep(level=1)`` as 0.33 / 0.34 run it: the scheduler pauses and clears
-        vLLM's prefix cache; each worker unregisters the connector's caches, then the
-        KV cache's memory goes (the extensible cache's pages released; an ordinary
-        one, sleep mode's allocator: discarded, here zeroed)."""
-        assert self.scheduler.reset_prefix_cache()
+    def sleep(self, reset_connector: bool = True) -> None:
+        """``LLM.sleep(level=1, reset_connector=...)`` as 0.33 / 0.34 run it: the
+        scheduler pauses and clears its caches as ``EngineCore._reset_caches`` does
+        (vLLM's prefix cache, and with ``reset_connector``, vLLM's default, the
+        connector's ``reset_cache``; vLLM raises when that reports failure); each worker
+        unregisters the connector's caches, then the KV cache's memory goes (the
+        extensible cache's pages released; an ordinary one, sleep mode's allocator:
+        discarded, here zeroed)."""
+        assert self.scheduler.reset_prefix_cache(reset_running_requests=True,
+                                                 reset_connector=reset_connector)
         for rank, w in enumerate(self.workers):
             w.unregister_kv_caches()
             if self.caches[rank] is not None:
@@ -713,6 +717,7 @@ def main(spec_path: str) -> None:
     if which is OURS:
         _watch(eng, lookups, instances)
         out["views"] = eng.views()
+        out["model"] = eng.scheduler.connector.model_name
     try:
         for phase in spec["phases"]:
             t0 = time.monotonic()
@@ -743,7 +748,7 @@ def main(spec_path: str) -> None:
                 eng.wait_visible(phase["requests"])
             out["phase_seconds"].append(round(time.monotonic() - t0, 3))
             if phase.get("sleep_wake"):
-                eng.sleep()
+                eng.sleep(reset_connector=phase.get("reset_connector", True))
                 eng.wake()
             if "sleep_after" in phase:
                 time.sleep(phase["sleep_after"])

@@ -1289,3 +1289,46 @@ def test_the_protocol_family_can_be_named_and_a_wrong_name_is_refused() -> None:
     assert ConnectorConfig.from_extra({"lmcache.mp.protocol": "0.5.4"}).protocol == "0.5.4"
     with pytest.raises(InvalidArgument, match=r"lmcache.mp.protocol must be 'auto' or one of"):
         ConnectorConfig.from_extra({"lmcache.mp.protocol": "0.6.0"})
+
+
+def test_a_retrieve_writes_only_the_blocks_after_its_skip() -> None:
+    """What a failed load reports (issue 34 item 2): the blocks of the range after
+    ``skip_first_n_tokens``, never vLLM's own computed blocks before it."""
+    c = FakeClient(hits=3)
+    s = side(c)
+    r = request(3 * CHUNK + 5)
+    vllm_hit = CHUNK + 2 * BS
+    s.get_num_new_matched_tokens(r, vllm_hit)
+    s.update_state_after_alloc(r, list(range(1, 3 * CHUNK // BS + 2)), 3 * CHUNK - vllm_hit)
+    (op,) = s.build_step(out({})).retrieves()
+    assert op.written_block_ids == op.block_ids[2:]
+    assert s.trackers["r"].load_blocks == frozenset(op.block_ids[2:])
+    # Reported invalid: the request is not loaded from the cache again (issue 34 item 3).
+    s.update_connector_output({"r"}, None, set(op.block_ids[2:3]))
+    assert s.trackers["r"].load_failed
+
+
+def test_a_reset_keys_every_live_request_afresh() -> None:
+    """``reset_cache`` (issue 34 item 4): a request whose blocks wait for a load gets
+    it under a key with the reset's generation in its salt and a session of its own
+    (the old session's remaining read locks freed under the old key, the session
+    ended); a request still to be looked up starts afresh; a salt too long for the
+    generation tag is hashed within LMCache's 128 characters."""
+    c = FakeClient(hits=3)
+    s = side(c)
+    loading, waiting = request(3 * CHUNK, "a"), request(3 * CHUNK, "b", salt="x" * 128)
+    s.get_num_new_matched_tokens(loading, CHUNK + BS)
+    s.update_state_after_alloc(loading, list(range(1, 3 * CHUNK // BS + 1)), 2 * CHUNK - BS)
+    assert s.get_num_new_matched_tokens(waiting, 0)[0] > 0
+    old_session = s.trackers["a"].session_id
+    c.calls.clear()
+    assert s.reset() is True
+    assert "b" not in s.trackers  # looked up afresh when vLLM asks again
+    assert ("FREE", CHUNK, 3 * CHUNK) in c.ops("FREE")  # a's locks, under its old key
+    t = s.trackers["a"]
+    assert t.session_id != old_session and t.salt == "#reset1"
+    assert old_session in c.sessions and ("END", "a") in c.calls
+    (op,) = s.build_step(out({})).retrieves()
+    assert (op.cache_salt, op.session_id) == ("#reset1", t.session_id)
+    again = s._tracker(waiting)
+    assert again.salt.endswith("#reset1") and len(again.salt) <= 128

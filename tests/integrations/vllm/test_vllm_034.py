@@ -253,3 +253,80 @@ def test_a_preempted_request_whose_load_failed_is_not_looked_up_again(
         assert r["lookups"][rid] == 1, f"{rid} looked up again after its load failed"
         assert r["log"].count(f"request {rid} is recomputed without the cache") == 1
     assert r["stats"]["load_errors"] == 2 and r["stats"]["retrieved"] == 0
+
+
+def _other_model_entry(client: Client, tokens_: list[int]) -> tuple[Any, Any]:
+    """Another model's entry on the same server (its registration kept, as another
+    engine's would be: the servers answer lookups of registered models only)."""
+    kv = CpuKVCache.allocate(num_layers=1, num_blocks=CHUNK // 16, block_size=16,
+                             num_heads=1, head_dim=8, dtype="float16")
+    reg = client.register(kv, model_name=f"other-model-{os.getpid()}", mode="engine")
+    with reg.request(tokens_) as r:
+        assert r.store_async(list(range(CHUNK // 16)), end=CHUNK).result() is True
+    return kv, reg
+
+
+def _found(reg: Any, tokens_: list[int]) -> int:
+    with reg.request(tokens_) as r:
+        return int(r.lookup_async(timeout=10).result())
+
+
+def test_reset_cache_on_sleep_and_a_weights_version(server: LiveServer,
+                                                    tmp_path: Path) -> None:
+    """``LLM.sleep(reset_connector=True)`` (vLLM's default; RL rollouts update the
+    weights before waking): vLLM's own reset path calls the connector's
+    ``reset_cache``; after it this engine never loads what was stored before (the
+    old weights' KV): the same prompt is computed, stored under the reset's
+    generation, and loaded from that afterwards. A fresh engine started with new
+    weights says so with ``lmcache.mp.weights_version``, which enters the key: it
+    misses the old entries, loads its own version's, and an engine of another
+    version (or none) does not see them. Another model's entry on the same server is
+    untouched (nothing is deleted; ``clear_on_reset`` would). Before (1470964) the
+    connector had no ``reset_cache`` (vLLM took None for success) and loaded the old
+    weights' KV after waking; the version key was refused as unknown."""
+    p = tokens(352, 2 * CHUNK + 7)
+    with Client(server.url, timeout=10.0) as client:
+        kv, other = _other_model_entry(client, tokens(353, CHUNK))
+        try:
+            r = run_engine(tmp_path, "ours", [server.url], [
+                {"requests": [req("s", p)], "sleep_wake": True},
+                {"requests": [req("l", p)]}, {"requests": [req("m", p)]}])
+            assert loaded(r, "s") == 0
+            assert loaded(r, "l") == 0, "loaded the KV stored before the reset"
+            assert loaded(r, "m") == 2 * CHUNK  # what was stored after it
+            v2 = {"lmcache.mp.weights_version": "v2"}
+            a = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("a", p)]}],
+                           extra=v2)
+            assert a["model"].endswith("##weights-v2") and loaded(a, "a") == 0
+            b = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("b", p)]}],
+                           extra=v2)
+            assert loaded(b, "b") == 2 * CHUNK  # its own version's entries
+            c = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("c", p)]}],
+                           extra={"lmcache.mp.weights_version": "v3"})
+            assert loaded(c, "c") == 0
+            assert _found(other, tokens(353, CHUNK)) == CHUNK, "another model's entry went"
+        finally:
+            other.unregister()
+
+
+def test_clear_on_reset_drops_every_models_entries(tmp_path: Path) -> None:
+    """``lmcache.mp.clear_on_reset``: the reset also sends CLEAR to every server,
+    which drops every model's unlocked entries there, this engine's and others'
+    (what LMCache's own connector does on every reset)."""
+    s = start_server(*both_modes_args(f"v034c{os.getpid()}"))
+    try:
+        p = tokens(354, 2 * CHUNK + 7)
+        with Client(s.url, timeout=10.0) as client:
+            kv, other = _other_model_entry(client, tokens(355, CHUNK))
+            try:
+                r = run_engine(tmp_path, "ours", [s.url], [
+                    {"requests": [req("s", p)], "sleep_wake": True}],
+                    extra={"lmcache.mp.clear_on_reset": True})
+                assert loaded(r, "s") == 0
+                assert _found(other, tokens(355, CHUNK)) == 0
+            finally:
+                other.unregister()
+        again = run_engine(tmp_path, "ours", [s.url], [{"requests": [req("t", p)]}])
+        assert loaded(again, "t") == 0  # the engine's own entries went too
+    finally:
+        s.stop()

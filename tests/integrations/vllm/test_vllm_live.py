@@ -349,7 +349,9 @@ def test_sleep_and_wake_register_again_and_load_again(server: LiveServer,
     ``unregister_kv_caches`` and ``restore_kv_caches`` (0.34: its extensible cache's
     pages, the same addresses after); the connector unregisters first and registers
     again afterwards under the same instance id; vLLM clears its prefix cache, so the
-    next request loads from the server into the new memory, bytes equal. And vLLM
+    next request loads from the server into the new memory, bytes equal (a sleep
+    without ``reset_connector``, 0.34's ``LLM.sleep(reset_connector=False)``: the
+    weights do not change; with it, test_vllm_034.py's reset test). And vLLM
     accepts ``--enable-sleep-mode`` with the connector (it asks
     ``supports_sleep_mode``: 0.33's refusal before the connector followed sleep)."""
     from tests.integrations.vllm.engines import vllm_python, vllm_version
@@ -359,7 +361,7 @@ def test_sleep_and_wake_register_again_and_load_again(server: LiveServer,
                     f"connectors (0.33 and 0.34 do: make test runs this under their trees)")
     p = tokens(347, 2 * CHUNK + 7)
     r = run_engine(tmp_path, "ours", [server.url], [
-        {"requests": [req("s", p)], "sleep_wake": True},
+        {"requests": [req("s", p)], "sleep_wake": True, "reset_connector": False},
         {"requests": [req("l", p)]}])
     assert loaded(r, "s") == 0
     (before, after) = r["instances"][0]
