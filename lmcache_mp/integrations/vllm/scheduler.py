@@ -111,6 +111,10 @@ class Tracker:
     vllm_hit: int = 0
     stored: int = 0                   # tokens [0, stored) need no STORE
     scheduled: int = 0
+    #: Tokens vLLM had computed when it first scheduled the request (its
+    #: ``num_computed_tokens`` then: a local hit may end inside a block, which vLLM
+    #: shows the connector rounded down); None until then.
+    base: int | None = None
     block_ids: list[int] = field(default_factory=list)
     stores_ordered: bool = False      # a STORE went to the workers
     load_ordered: bool = False        # a RETRIEVE went out, not yet reported done
@@ -387,7 +391,7 @@ class SchedulerSide:
                 if (t.hit or 0) > 0 and not t.load_failed:
                     log.warning("lmcache_mp connector: request %s is recomputed without "
                                 "the cache (its KV load failed)", t.request_id)
-                t.state, t.hit, t.stored, t.scheduled = State.READY, 0, 0, 0
+                t.state, t.hit, t.stored, t.scheduled, t.base = State.READY, 0, 0, 0, None
                 t.block_ids.clear()
                 t.vllm_hit = num_computed_tokens - num_computed_tokens % self.block_size
             return 0, False
@@ -571,6 +575,9 @@ class SchedulerSide:
             if t.state is State.LOADING:
                 self._order(step, t, self._retrieve_op(t))
         for new in scheduler_output.scheduled_new_reqs:
+            t = self.trackers.get(new.req_id)
+            if t is not None and t.base is None:
+                t.base = getattr(new, "num_computed_tokens", None)
             self._scheduled(step, new.req_id, scheduler_output, None)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = resumed_req_ids(cached)  # vLLM 0.32 / 0.33 (0.34: in scheduled_new_reqs)
@@ -636,7 +643,10 @@ class SchedulerSide:
             limit = t.num_tokens
         else:
             limit = t.num_prompt_tokens
-        computed = t.scheduled + max(t.vllm_hit, t.hit or 0)
+        # What vLLM has computed by the end of this step: from its own count when it
+        # first scheduled the request (a local hit ending mid-block stores its last
+        # chunk as soon as it is computed), else from the hits.
+        computed = t.scheduled + (max(t.vllm_hit, t.hit or 0) if t.base is None else t.base)
         ready = min(limit, t.num_tokens, len(t.block_ids) * self.block_size, computed)
         n = (ready - t.stored) // chunk
         if n < 1:
@@ -665,6 +675,10 @@ class SchedulerSide:
                     # Once per request (a rank's report may come a step before the
                     # others'): the workers logged why the load failed.
                     t.load_failed = True
+                    # The chunks it was to load are computed by vLLM now: stored
+                    # again by this request (the server may have lost them).
+                    t.stored = min(t.stored, t.vllm_hit // (self._chunk_size or 1)
+                                   * (self._chunk_size or 1))
                     log.warning("lmcache_mp connector: request %s is recomputed without "
                                 "the cache: its KV load failed (the workers say why); it is "
                                 "not loaded from the cache again", t.request_id)

@@ -730,9 +730,9 @@ def main(spec_path: str) -> None:
             if "on_retrieve" in phase:
                 argv = phase["on_retrieve"]
                 eng.on_retrieve = lambda argv=argv: subprocess.run(argv, check=True)
-            for rid, argv in phase.get("on_retrieve_of", {}).items():
+            for rid, argvs in phase.get("on_retrieve_of", {}).items():
                 eng.on_retrieve_of[rid] = functools.partial(
-                    _run_then_wait, eng, argv, phase.get("then_wait_unhealthy", False))
+                    _run_then_wait, eng, argvs, phase.get("then_wait_unhealthy", False))
 
             def on_step(n: int, hooks: dict[int, list[str]] = hooks,
                         later: dict[int, list[dict[str, Any]]] = later) -> None:
@@ -785,14 +785,16 @@ def _refuse_registrations() -> None:
     Client.register = refused  # type: ignore[method-assign]
 
 
-def _run_then_wait(eng: Engine, argv: list[str], wait_unhealthy: bool) -> None:
-    """``argv`` (e.g. stopping the server); then, with ``wait_unhealthy``, until every
-    worker's client has seen the server's heartbeats stop (at most 30 s): a RETRIEVE
-    ordered now then fails at once instead of at its deadline."""
+def _run_then_wait(eng: Engine, argvs: list[list[str]], wait_unhealthy: bool) -> None:
+    """The commands ``argvs`` (e.g. stopping the server, or restarting it empty); then,
+    with ``wait_unhealthy``, until every worker's client has seen the server's
+    heartbeats stop (at most 30 s): a RETRIEVE ordered now then fails at once instead
+    of at its deadline."""
     import subprocess
     import time
 
-    subprocess.run(argv, check=True)
+    for argv in argvs:
+        subprocess.run(argv, check=True)
     limit = time.monotonic() + 30
     while wait_unhealthy and time.monotonic() < limit and any(
             w.worker.client.healthy for w in eng.workers):

@@ -1332,3 +1332,23 @@ def test_a_reset_keys_every_live_request_afresh() -> None:
     assert (op.cache_salt, op.session_id) == ("#reset1", t.session_id)
     again = s._tracker(waiting)
     assert again.salt.endswith("#reset1") and len(again.salt) <= 128
+
+
+def test_a_local_hit_ending_mid_block_stores_its_last_chunk_at_once() -> None:
+    """vLLM's prefix cache holds the whole prompt but the last token (recomputed),
+    shown to the connector rounded down to a block; the servers hold nothing. The
+    step that computes that last token completes the prompt's last chunk: it is stored
+    then, not some blocks of decoding later (lost if the request ends first). Before
+    (1470964) only the first chunk was stored in that step (issue 34 item 5)."""
+    c = FakeClient(hits=0)
+    s = side(c)
+    r = request(2 * CHUNK)
+    assert s.get_num_new_matched_tokens(r, 2 * CHUNK - BS) == (0, False)
+    s.update_state_after_alloc(r, list(range(1, 2 * CHUNK // BS + 1)), 0)
+    first = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="r", num_computed_tokens=2 * CHUNK - 1)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                              resumed_req_ids=set()),
+        num_scheduled_tokens={"r": 1}, preempted_req_ids=None)
+    (op,) = s.build_step(first).stores()
+    assert (op.start, op.end) == (0, 2 * CHUNK)

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from lmcache_mp import Client, CpuKVCache
-from tests.conftest import REPO, SERVER_SCRIPT, LiveServer, start_server
+from tests.conftest import REPO, SERVER_SCRIPT, SERVER_VERSION, LiveServer, start_server
 from tests.integrations.vllm.engines import engine_env, engine_tmpdir, vllm_python, vllm_version
 from tests.integrations.vllm.test_vllm_live import CHUNK, loaded, req, run_engine, tokens
 from tests.support.live_helpers import both_modes_args
@@ -203,7 +203,7 @@ def test_a_failed_load_touches_only_the_blocks_it_was_to_write(
         stop = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
         r = run_engine(tmp_path, "ours", [s.url], [{
             "requests": [b], "later": {"3": [req("a", p)]},
-            "on_retrieve_of": {"a": stop}, "then_wait_unhealthy": True}],
+            "on_retrieve_of": {"a": [stop]}, "then_wait_unhealthy": True}],
             extra={"lmcache.mp.heartbeat_interval": 0.5, "lmcache.mp.health_interval": 0.5,
                    "lmcache.mp.mq_timeout": 2, "lmcache.mp.transfer_timeout": 5},
             num_blocks=128, failure_policy=policy)
@@ -328,5 +328,32 @@ def test_clear_on_reset_drops_every_models_entries(tmp_path: Path) -> None:
                 other.unregister()
         again = run_engine(tmp_path, "ours", [s.url], [{"requests": [req("t", p)]}])
         assert loaded(again, "t") == 0  # the engine's own entries went too
+    finally:
+        s.stop()
+
+
+def test_the_chunks_of_a_failed_load_are_stored_again_by_the_request(tmp_path: Path) -> None:
+    """The server restarts (empty) as A's RETRIEVE goes out: the load fails, vLLM keeps
+    A's own 288 computed tokens (shared with B) and recomputes the rest, and A stores
+    the chunks it was to load on the new server as it computes them. Then an engine
+    that stores P's first chunk again loads all three. Before (1470964) A counted
+    them stored at its lookup: the new server never got them (only the first chunk
+    was found)."""
+    s = start_server(*both_modes_args(f"v034s{os.getpid()}"))
+    try:
+        p = tokens(356, 3 * CHUNK + 40)
+        run_engine(tmp_path, "ours", [s.url], [{"requests": [req("s", p)]}])
+        stop = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
+        start = [str(SERVER_SCRIPT), "start", "--version", SERVER_VERSION, "--port",
+                 str(s.port), "--", *s.args]
+        r = run_engine(tmp_path, "ours", [s.url], [{
+            "requests": [{**req("b", p[:300] + tokens(357, 20)), "max_tokens": 40}],
+            "later": {"3": [req("a", p)]}, "on_retrieve_of": {"a": [stop, start]}}],
+            extra={"lmcache.mp.transfer_timeout": 10}, num_blocks=128)
+        assert r["stats"]["load_errors"] == 1 and loaded(r, "a") == 288
+        again = run_engine(tmp_path, "ours", [s.url], [
+            {"requests": [req("c", p[:300])]}, {"requests": [req("d", p)]}])
+        assert loaded(again, "c") == 0  # the new server had no first chunk: c stores it
+        assert loaded(again, "d") == 3 * CHUNK, "A's recomputed chunks never reached the server"
     finally:
         s.stop()
