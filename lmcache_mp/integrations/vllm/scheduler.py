@@ -575,9 +575,9 @@ class SchedulerSide:
             if t.state is State.LOADING:
                 self._order(step, t, self._retrieve_op(t))
         for new in scheduler_output.scheduled_new_reqs:
-            t = self.trackers.get(new.req_id)
-            if t is not None and t.base is None:
-                t.base = getattr(new, "num_computed_tokens", None)
+            first = self.trackers.get(new.req_id)
+            if first is not None and first.base is None:
+                first.base = getattr(new, "num_computed_tokens", None)
             self._scheduled(step, new.req_id, scheduler_output, None)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = resumed_req_ids(cached)  # vLLM 0.32 / 0.33 (0.34: in scheduled_new_reqs)
