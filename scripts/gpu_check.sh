@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # One prepared run on a lent GPU machine (see ../shared/reference/gpu-device-notes.md):
-# install the carried wheels, then for each LMCache release (0.5.3, 0.5.6, 0.5.7rc2)
-# start its real MP server in GPU mode, run the GPU round trip (scripts/gpu_check.py:
-# our wrapper forms, engine-driven copies on every layout with the pinned-copy floor
-# measured beside them, vs LMCache's own client), the restart step (SIGKILL, restart,
-# both transfer modes recover) and the doctor, stop it; then the VMM export check
-# (scripts/gpu_vmm_check.py) and the CUDA tests. One short table at the end.
+# install the carried wheels, then for each LMCache release (0.5.7rc2, 0.5.6, 0.5.3:
+# the newest first, should time run short) start its real MP server in GPU mode, run the
+# GPU round trip (scripts/gpu_check.py, the package scripts/gpu_check/: Llama-3-8B's
+# geometry by default, 32 layers x 8 KV heads x 128, bf16, vLLM-style scattered block
+# ids, every side on a stream of its own; our wrapper forms, engine-driven copies on
+# every layout with the copy phase alone and the pinned-copy floor (torch's pinned
+# buffer and a registered shared mapping) measured beside them, an MLA cache both ways,
+# vs LMCache's own client), the restart step (SIGKILL, restart, both transfer modes
+# recover) and the doctor, stop it; then the VMM export check
+# (scripts/gpu_vmm_check.py) and the CUDA tests (tests/ipc/test_gpu_live.py: the
+# two-thread two-stream race and the 20-replacement leak check on real CUDA among
+# them). One short table at the end.
 #
 # Here, first:  scripts/fetch_gpu_wheels.sh         (fills the git-ignored .whl/)
 # On the GPU:   device run, carry [".whl"], timeout_s 600, command "bash scripts/gpu_check.sh"
@@ -30,7 +36,7 @@
 #   GPU_CHECK_PYTHON_0_5_3, ...  interpreter for one release's server
 #                         and round trip (dry runs: the oracle venvs)
 #   GPU_CHECK_TEST_PYTHON interpreter for the pytest step (default: GPU_CHECK_PYTHON)
-#   GPU_CHECK_RELEASES    default "0.5.3 0.5.6 0.5.7rc2"
+#   GPU_CHECK_RELEASES    default "0.5.7rc2 0.5.6 0.5.3"
 #   GPU_CHECK_BUDGET      seconds for the whole run (default 540); GPU_CHECK_RESERVE (20)
 #                         of them are kept for stopping servers and the summary
 #   GPU_CHECK_PORT        first server port (default 5555; one port per release)
@@ -57,7 +63,7 @@ budget=${GPU_CHECK_BUDGET:-540}
 reserve=${GPU_CHECK_RESERVE:-20}
 base_port=${GPU_CHECK_PORT:-5555}
 dry=${GPU_CHECK_DRY_RUN:-0}
-read -r -a releases <<<"${GPU_CHECK_RELEASES:-0.5.3 0.5.6 0.5.7rc2}"
+read -r -a releases <<<"${GPU_CHECK_RELEASES:-0.5.7rc2 0.5.6 0.5.3}"
 req_timeout=${GPU_CHECK_REQUEST_TIMEOUT:-20}
 side_timeout=${GPU_CHECK_SIDE_TIMEOUT:-60}
 fault=${GPU_CHECK_FAULT:-}
@@ -337,8 +343,8 @@ for rel in "${releases[@]}"; do
     server_shm[$rel]=lmcache_l1_pool_gpucheck$port
     shm_args=(--shm-name "${server_shm[$rel]}")
   fi
-  # The L1 holds every key this release's round trips store (gpu_check.py --l1-gib says
-  # how much: sides x sizes x reps x bytes per token, + 25% + 1 GiB), at most what
+  # The L1 holds the keys of the largest side's round trips (gpu_check.py --l1-gib says
+  # how much; the round trip clears the server after every side), at most what
   # /dev/shm has free less 2 GiB. 1 GiB made 5 of 7 sides fail on 2026-12-04.
   l1=$(PYTHONPATH=$path "$rpy" scripts/gpu_check.py --url x --l1-gib "${rt_flags[@]}" 2>>"$OUT/run.log" || echo 8)
   shm_free=$(( $(df -Pk /dev/shm | awk 'NR == 2 {print $4}') / 1048576 - 2 ))

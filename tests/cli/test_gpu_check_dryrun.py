@@ -302,12 +302,21 @@ def test_quiet_server_logs_restart_and_l1_sizing(launch: Any) -> None:
     # Every side of the device run (LMCache's own client speaking 0.5.7rc2's
     # token_bytes keys), the GPU-only ones skipped saying why.
     sides = {r["side"]: r for r in res["results"]}
-    assert len(sides) == 11 and sides["LMCache"]["ok"]
+    assert len(sides) == 13 and sides["LMCache"]["ok"]
     assert {k for k, r in sides.items() if r.get("skipped")} == {
         "ours (engine_plan)", "ours (engine_expandable)"}
     assert all(r["ok"] for r in sides.values() if not r.get("skipped"))
+    # MLA both ways; the engine-driven sides' copy phase and both floors (torch's
+    # pinned buffer, a registered shared mapping) beside the end-to-end figures.
+    assert sides["ours (MLA)"]["mode"] == "lmcache" and sides["ours (MLA, engine)"]["ok"]
     engine = sides["ours (engine-driven)"]
     assert set(engine["store_over_pinned"]) == set(engine["store_gbps"])
+    for key in ("store_copy_gbps", "retrieve_copy_gbps", "memcpy_shm_d2h_gbps",
+                "memcpy_shm_h2d_gbps"):
+        assert set(engine[key]) == set(engine["store_gbps"]), key
+    assert all(r.get("clear_error") is None for r in sides.values() if not r.get("skipped"))
+    assert res["env"]["pool"]["pool_pin_s"] >= 0 and res["env"]["pool_error"] is None
+    assert "store copy-only GB/s" in run.text and "H2D registered SHM GB/s" in run.text
     assert "by_cumulative" in sides["ours (torch_ipc)"]["profile"]
     again = res["restart"]
     assert again["ok"] and again["same_instance_ids"] and again["new_pid"] in run.server_pids()

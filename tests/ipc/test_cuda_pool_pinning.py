@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -98,15 +99,26 @@ def test_the_first_copy_does_not_wait_for_the_pinning() -> None:
         seg.close()
 
 
+@contextmanager
+def mapped_segments(n: int, nbytes: int) -> Iterator[tuple[PoolMaps, list[ShmSegment]]]:
+    """A client's pool maps and ``n`` server segments (a server's, a restarted one's)."""
+    segs = [ShmSegment.create(nbytes, tag="pinrestart") for _ in range(n)]
+    maps = PoolMaps()
+    try:
+        yield maps, segs
+    finally:
+        maps.close()
+        for seg in segs:
+            seg.close()
+
+
 def test_a_restarted_servers_pool_is_pinned_when_mapped() -> None:
     """The client maps a restarted server's new pool (another segment): its
     page-locking starts then, on its own thread, before any copy. On 1470964 it waited
     for the first copy into it (on the caller's thread)."""
     g = GEOMETRIES["nhd"]
     drv, cache, _ = fake_cache(g, seed=63)
-    segs = [ShmSegment.create(4 << 20, tag="pinrestart") for _ in range(2)]
-    maps = PoolMaps()
-    try:
+    with mapped_segments(2, 4 << 20) as (maps, segs):
         first = maps.acquire(segs[0].name, 4 << 20, 0)
         nbytes = int(np.prod(object_shape(g))) * g.itemsize
         slot = PoolSlot(offset=0, length=nbytes, shape=object_shape(g), dtype=g.dtype)
@@ -121,10 +133,6 @@ def test_a_restarted_servers_pool_is_pinned_when_mapped() -> None:
         assert registered(drv) == {second.view.ctypes.data: 4 << 20}
         maps.release(second)
         assert not registered(drv)
-    finally:
-        maps.close()
-        for seg in segs:
-            seg.close()
 
 
 def test_a_pool_reusing_an_address_starts_afresh() -> None:
@@ -132,20 +140,15 @@ def test_a_pool_reusing_an_address_starts_afresh() -> None:
     page-locked itself: the record belongs to the mapping, not to the address."""
     g = GEOMETRIES["mla"]
     drv, cache, _ = fake_cache(g, seed=65)
-    maps = PoolMaps()
-    seg = ShmSegment.create(2 << 20, tag="pinreuse")
-    try:
+    with mapped_segments(1, 2 << 20) as (maps, segs):
         nbytes = int(np.prod(object_shape(g))) * g.itemsize
         slot = PoolSlot(offset=0, length=nbytes, shape=object_shape(g), dtype=g.dtype)
         for epoch in range(3):
-            pool = maps.acquire(seg.name, 2 << 20, epoch)
-            pool.pinning.get("cuda") or copy_into_slots(  # type: ignore[func-returns-value]
-                cache, block_ids(g, 1, seed=66), [slot], [0], pool, CHUNK,  # type: ignore[arg-type]
-                stream=STREAM)
+            pool = maps.acquire(segs[0].name, 2 << 20, epoch)
+            if "cuda" not in pool.pinning:  # not pinned at map time: the copy pins it
+                copy_into_slots(cache, block_ids(g, 1, seed=66), [slot], [0], pool,  # type: ignore[arg-type]
+                                CHUNK, stream=STREAM)
             assert pool.pinning["cuda"].done.wait(30)
             assert registered(drv) == {pool.view.ctypes.data: 2 << 20}
             maps.release(pool)
             assert not registered(drv)
-    finally:
-        maps.close()
-        seg.close()

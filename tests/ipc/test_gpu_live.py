@@ -353,3 +353,134 @@ def test_expandable_segments_export_as_vmm_and_round_trip_engine_driven() -> Non
     lines = proc.stdout.splitlines()
     assert "EXPORT ['posix_fd'] False" in lines, proc.stdout
     assert "ROUNDTRIP True True" in lines, proc.stdout
+
+
+# ------------------------------------------- the gather path under CUDA's rules
+def _gather_setup(layers: int = 8, blocks: int = 1024) -> tuple[Any, Any, Any]:
+    """torch with CUDA, a CudaKVCache (HND, 8 heads of 128, bf16) of random bits, and
+    the size of one chunk object of 256 tokens."""
+    torch = _torch_cuda()
+    from lmcache_mp.ipc.cuda import CudaKVCache
+
+    cache = CudaKVCache.allocate(num_layers=layers, num_blocks=blocks, block_size=16,
+                                 num_heads=8, head_dim=128, dtype="bfloat16")
+    for t in cache.torch_layers:
+        bits = t.view(torch.int16)
+        bits.copy_(torch.randint(-32768, 32768, bits.shape, dtype=torch.int16, device="cuda"))
+    torch.cuda.synchronize()
+    return torch, cache, 2 * layers * 256 * 8 * 128 * 2
+
+
+def _pool(nbytes: int) -> tuple[Any, Any]:
+    import mmap
+
+    import numpy as np
+
+    from lmcache_mp.session.engine_driven import Pool
+
+    buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    return Pool("gpu-live", nbytes, 0, buf), buf
+
+
+@needs_gpu
+def test_two_threads_on_two_streams_share_one_cache_on_cuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads, each on a torch stream of its own, STORE (then RETRIEVE) different
+    blocks through one cache at the same time, 10 times over, with staging for two
+    chunk objects (rounds through both regions, the copy stream, the events): every
+    pool's bytes equal a one-thread run's, every retrieved block its source."""
+    import threading
+
+    import numpy as np
+
+    from lmcache_mp.ipc.cuda import gather, staging
+    from lmcache_mp.protocol.types import PoolSlot
+    from lmcache_mp.session.engine_driven import copy_from_slots, copy_into_slots
+
+    torch, cache, obj = _gather_setup()
+    monkeypatch.setattr(gather, "STAGING_LIMIT_BYTES", 2 * obj)
+    rng = np.random.default_rng(3)
+    ids = rng.permutation(1024)[:4 * 16 * 4].astype(np.int64).reshape(4, -1)  # 4 sets
+    shape = [2, 8, 256, 8 * 128]
+    slots = [PoolSlot(offset=i * obj, length=obj, shape=shape, dtype="bfloat16")
+             for i in range(4)]
+    pools = [_pool(4 * obj) for _ in range(4)]
+    try:
+        refs = []
+        for k in (0, 1):  # one thread, one after the other: the reference
+            copy_into_slots(cache, ids[k], slots, [3, 1, 0, 2], pools[k][0], 256)
+            refs.append(pools[k][1].tobytes())
+        errors: list[BaseException] = []
+        # Slot i of pool k holds chunk order[i] of set k; a RETRIEVE of set 2 + k from
+        # it puts that chunk's blocks into chunk i's blocks of set 2 + k.
+        order = [3, 1, 0, 2]
+        sources = [torch.as_tensor(np.concatenate([ids[k][c * 16:(c + 1) * 16] for c in order]),
+                                   device="cuda") for k in (0, 1)]
+        targets = [torch.as_tensor(ids[2 + k], device="cuda") for k in (0, 1)]
+
+        def worker(k: int, barrier: threading.Barrier) -> None:
+            stream = torch.cuda.Stream()
+            try:
+                with torch.cuda.stream(stream):
+                    for _ in range(10):
+                        barrier.wait(30)
+                        pools[2 + k][1][:] = 0
+                        copy_into_slots(cache, ids[k], slots, order, pools[2 + k][0], 256)
+                        assert pools[2 + k][1].tobytes() == refs[k], "store bytes differ"
+                        # Back into the blocks of set 2 + k, from this thread's pool.
+                        copy_from_slots(cache, ids[2 + k], slots, pools[k][0], 256, 0)
+                        torch.cuda.current_stream().synchronize()
+                        for t in cache.torch_layers:
+                            b = t.view(torch.int16)
+                            assert torch.equal(b[:, sources[k]], b[:, targets[k]]), \
+                                "retrieved blocks differ"
+            except BaseException as exc:
+                errors.append(exc)
+
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=worker, args=(k, barrier)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert cache.copy_path.startswith("gather")
+    finally:
+        for _, buf in pools:
+            staging.unpin(buf)
+        cache.close()
+
+
+@needs_gpu
+def test_twenty_replacements_of_a_cache_leak_no_device_memory() -> None:
+    """vLLM's sleep / wake: the same memory wrapped in a new cache 20 times, a transfer
+    through each, each dropped unclosed: torch's allocated device memory (the staging
+    and index buffers come from its caching allocator) is what it was after the first."""
+    import gc
+
+    import numpy as np
+
+    from lmcache_mp.ipc.cuda import CudaKVCache, staging
+    from lmcache_mp.protocol.types import PoolSlot
+    from lmcache_mp.session.engine_driven import copy_into_slots
+
+    torch, first, obj = _gather_setup(blocks=256)
+    layers = first.torch_layers
+    pool, buf = _pool(2 * obj)
+    slots = [PoolSlot(offset=i * obj, length=obj, shape=[2, 8, 256, 8 * 128],
+                      dtype="bfloat16") for i in range(2)]
+    ids = np.arange(32, dtype=np.int64)
+    seen = []
+    try:
+        for _ in range(20):
+            cache = CudaKVCache.from_torch(layers, layout="HND")
+            copy_into_slots(cache, ids, slots, [0, 1], pool, 256)
+            assert cache.copy_path.startswith("gather")
+            del cache
+            gc.collect()
+            torch.cuda.synchronize()
+            seen.append(torch.cuda.memory_allocated())
+        assert seen == [seen[0]] * 20, seen
+    finally:
+        staging.unpin(buf)
+        first.close()
