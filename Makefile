@@ -10,7 +10,7 @@ VENV := .venv
 # 6.2, an LMCache server's start ~3.5 CPU-s more, hundreds of times a `make test`.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup oracle vllm-venv valkey demo demo-cluster demo-vllm test lint unit fixtures bench bench-smoke bench-vllm bench-vllm-smoke bench-vllm-workloads readme clean mutate mutate-report
+.PHONY: setup oracle vllm-venv valkey p2p demo demo-cluster demo-vllm test lint unit fixtures bench bench-smoke bench-vllm bench-vllm-smoke bench-vllm-workloads readme clean mutate mutate-report
 
 $(VENV)/.installed: pyproject.toml scripts/uv.sh
 	# uv (scripts/uv.sh): torch first and pinned, the local CPU build (it enables the
@@ -138,6 +138,12 @@ clean:
 # on first use too.
 valkey:
 	scripts/valkey.sh install
+
+# LMCache's P2P tier's transfer engine (mooncake_te over TCP) for tests/multinode/test_p2p.py:
+# PyPI's mooncake-transfer-engine-non-cuda and Debian's libibverbs1 (+ libnl), unpacked
+# under .tools/p2p, nothing installed system-wide (scripts/p2p.sh; seconds).
+p2p: oracle
+	scripts/p2p.sh install
 
 # Two LMCache servers standing for two nodes and one Valkey as their shared second tier,
 # on this machine: a prefix stored through A is found, retrieved and byte-identical

@@ -144,7 +144,7 @@ def info(port: int, section: str = "") -> dict[str, str]:
 
 
 # -------------------------------------------------------------------- the servers
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: killed when the test process ends
 
@@ -176,7 +176,7 @@ class ValkeyNode:
         assert self.proc is None or self.proc.poll() is not None
         self.proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         deadline = time.monotonic() + 30
         while True:
             try:
