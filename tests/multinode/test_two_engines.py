@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 
-from ..conftest import SERVER_VERSION
+from ..conftest import SERVER_VERSION, LiveServer
 from ..integrations.vllm.test_real_engine import (
     SCHEDULE_DRIFT,
     Engines,
     cached,
+    client_metrics,
     lmcaches,
     logprob_gap,
     ours,
@@ -33,13 +34,16 @@ from ..integrations.vllm.test_real_engine import (
     stats,
     whole_chunks,
 )
-from .conftest import OTHER_RELEASE, Nodes, make_tier, start_nodes
+from .conftest import OTHER_RELEASE, Nodes, make_tier, node_server, start_nodes
 
 pytestmark = pytest.mark.live
 
 MAIN = prompts(3601, 3602)
 ACROSS = prompts(3603)
-SETS = {"main": (MAIN, 8), "across": (ACROSS, 8)}
+STALLED = prompts(3604, 3605)
+SETS = {"main": (MAIN, 8), "across": (ACROSS, 8), "stalled": (STALLED, 8)}
+#: The valkey adapter's deadline per Valkey command in the stall test (its default: 5 s).
+GLIDE_TIMEOUT = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +121,36 @@ def test_lmcaches_connector_on_b_and_ours_on_a(
     back = engines.run({**ours(nodes.a.url), "prompts": ACROSS, "max_tokens": 8})
     assert cached(back) == [whole_chunks(ACROSS[0])], "A did not load LMCache's through L2"
     same_output(back["rounds"][0]["outputs"], outs[2:], tol)
+
+
+def test_a_stalled_tier_costs_a_request_the_l2_wait_not_the_adapters(
+        engines: Engines, reference: dict[str, Any]) -> None:
+    """The node's Valkey stopped (SIGSTOP): the valkey adapter holds each lookup for its
+    request_timeout (10 s here); the connector gives it up after l2_load_timeout (1 s)
+    and computes: tokens as without a connector, the round well within the adapter's
+    stall, the give-ups counted in vLLM's metrics (what an operator sees)."""
+    if SERVER_VERSION not in OTHER_RELEASE:
+        pytest.skip("the multi-node tests run against 0.5.6 and 0.5.7rc2")
+    tier = make_tier("valkey")
+    tier.adapter["request_timeout"] = GLIDE_TIMEOUT
+    server: LiveServer | None = None
+    try:
+        server = node_server(tier, "stall")
+        assert tier.valkey is not None
+        tier.valkey.pause()
+        r = engines.run({**ours(server.url, **{"lmcache.mp.l2_load_timeout": 1.0,
+                                              "lmcache.mp.lookup_timeout": 2.0}),
+                         "prompts": STALLED, "max_tokens": 8})
+    finally:
+        if tier.valkey is not None:
+            tier.valkey.resume()
+        if server is not None:
+            server.stop()
+        tier.close()
+    assert cached(r) == [0, 0]
+    same_output(r["rounds"][0]["outputs"], reference["cold"]["stalled"],
+                max(reference["tolerance"], SCHEDULE_DRIFT))
+    took = r["rounds"][0]["generate_s"]
+    assert took < GLIDE_TIMEOUT - 2, f"the round took {took:.1f} s: the adapter's stall"
+    assert client_metrics(r)["lookups_given_up"] >= 2, client_metrics(r)
+    print(f"stalled tier: the round took {took:.2f} s (adapter's stall {GLIDE_TIMEOUT} s)")
