@@ -178,6 +178,18 @@ class PoolMaps:
         return len(self._maps)
 
 
+def bound_to(cache: ExportableKVCache, pool: Pool) -> Pool:
+    """``pool``, just mapped for a registration of ``cache``: a GPU cache starts
+    page-locking it now, on a thread of its own (``cudaHostRegister`` of a GiB-sized
+    L1 takes 0.1-0.3 s per GiB), not in its first copy on the caller's thread, which
+    may be vLLM's forward thread."""
+    if not isinstance(cache, CpuKVCache):
+        from ..ipc.cuda.staging import start_pinning
+
+        start_pinning(cache, pool)
+    return pool
+
+
 def slot_view(pool: Pool, slot: PoolSlot, g: KVGeometry, chunk_size: int) -> np.ndarray:
     """The chunk object in ``slot``, checked against what was registered."""
     expect = ([g.num_layers, chunk_size, g.hidden_dim] if g.kv_planes == 1

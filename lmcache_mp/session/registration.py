@@ -54,7 +54,7 @@ from .binding import Binding, BindingEvent, BindingState
 from .blocks import BlockIds, TransferLayout, normalize_block_ids
 from .connection import NO_PAYLOADS, Connection, Payloads
 from .deadlines import remaining, unsent, within
-from .engine_driven import NO_POOL_HELP, PoolMaps, copy_from_slots, copy_into_slots
+from .engine_driven import NO_POOL_HELP, PoolMaps, bound_to, copy_from_slots, copy_into_slots
 from .request import Request
 
 __all__ = ["Registration", "Mode", "Binding"]
@@ -248,8 +248,8 @@ class Registration:
             conn.call("UNREGISTER_KV_CACHE_ENGINE_DRIVEN_CONTEXT",
                       {"instance_id": self.instance_id}, remaining(deadline, "UNREGISTER"))
             return None
-        return Binding(p.sent_epoch, self._owner.pools.acquire(info.shm_name, info.pool_size,
-                                                               p.sent_epoch), info)
+        pool = self._owner.pools.acquire(info.shm_name, info.pool_size, p.sent_epoch)
+        return Binding(p.sent_epoch, bound_to(self.cache, pool), info)
 
     def _engine_payload(self) -> RegisterEngineDrivenContextPayload:
         g = self.cache.geometry
@@ -268,7 +268,7 @@ class Registration:
                             {"instance_id": self.instance_id}, remaining(deadline, "UNREGISTER"))
             raise ProtocolMismatch(NO_POOL_HELP)
         pool = self._owner.pools.acquire(info.shm_name, info.pool_size, epoch)
-        return Binding(epoch, pool, info)
+        return Binding(epoch, bound_to(self.cache, pool), info)
 
     def _bound(self, deadline: float) -> Binding:
         """The current binding, registering again first unless it is fresh."""

@@ -336,6 +336,9 @@ def test_live_round_trip_through_the_server_pool(live_server: LiveServer, g: KVG
         reg = client.register(cache, model_name=f"gpu-ed-{uuid.uuid4().hex[:8]}", mode=mode)
         try:
             assert reg.mode == "engine"
+            # Page-locking the pool started when the registration mapped it, before any
+            # copy (not on the first copy's, the caller's, thread).
+            assert "cuda" in reg._state.binding.pool.pinning  # type: ignore[union-attr]
             n = chunk // g.block_size
             tokens = np.random.default_rng(4).integers(0, 2**31, chunk).tolist()
             key = CacheKey(model_name=reg.model_name, world_size=1, worker_id=0,

@@ -152,3 +152,22 @@ def test_a_pool_reusing_an_address_starts_afresh() -> None:
             assert registered(drv) == {pool.view.ctypes.data: 2 << 20}
             maps.release(pool)
             assert not registered(drv)
+
+
+def test_the_first_servers_pool_is_pinned_when_the_registration_binds_it() -> None:
+    """The registration that maps the first pool (engine_driven.bound_to, called where
+    the session binds a registration to its pool) starts its page-locking, before any
+    copy: the first copy on vLLM's forward thread no longer starts it. On the previous
+    commit only a restarted server's pool was pinned at map time."""
+    from lmcache_mp.session.engine_driven import bound_to
+
+    g = GEOMETRIES["hnd"]
+    drv, cache, _ = fake_cache(g, seed=67)
+    with mapped_segments(1, 4 << 20) as (maps, segs):
+        pool = bound_to(cache, maps.acquire(segs[0].name, 4 << 20, 0))  # type: ignore[arg-type]
+        assert "cuda" in pool.pinning, "not being page-locked at registration"
+        assert pool.pinning["cuda"].done.wait(30)
+        assert registered(drv) == {pool.view.ctypes.data: 4 << 20}
+        assert not [c for c in drv.calls if c[0] in ("memcpy2d", "memcpy3d")]  # no copy yet
+        maps.release(pool)
+        assert not registered(drv)

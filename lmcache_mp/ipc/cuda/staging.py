@@ -351,6 +351,14 @@ def _pin(drv: CopyDriver, device: int, pool: PoolLike) -> PoolPin:
     return pin
 
 
+def start_pinning(cache: ExportableKVCache, pool: PoolLike) -> None:
+    """When a registration maps the pool (not in the first copy, on the caller's
+    thread, which may be vLLM's forward thread): page-lock it on a thread of its own."""
+    if isinstance(cache, CudaKVCache) and not cache.closed:
+        drv: Any = cache.driver
+        _pin(drv, cache.device, pool)
+
+
 def _ensure_pinned(drv: CopyDriver, device: int, pool: PoolLike) -> None:
     """Before a copy: the pool is page-locked, or being page-locked on its own thread
     (a large pool: this copy goes pageable), or could not be (pageable for good)."""
