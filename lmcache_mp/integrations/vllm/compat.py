@@ -31,6 +31,11 @@ vLLM it runs in. Read in each release's wheel (file:line in 0.34.0):
 * **Sleep / wake**: 0.33 and 0.34 call ``unregister_kv_caches`` before and
   ``restore_kv_caches`` after (0.34 also around weight updates that borrow the cache's
   memory); the connector's ``supports_sleep_mode`` says whether it follows them.
+* **Speculative decoding with its own KV layers** (EAGLE, MTP, a draft model): the
+  drafter's layers are registered beside the model's; 0.34 says which methods have
+  them (``SpeculativeConfig.uses_draft_kv_cache``): :func:`draft_kv_suffix`.
+* **KV events and hit sources** (0.34: ``KVCacheEvent``'s fields, ``CacheHitSource``):
+  :func:`kv_events`, :func:`host_hit_source`.
 
 No vLLM import at module level (the unit tests run without vLLM).
 """
@@ -44,7 +49,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["token_ids", "skips_external_kv", "resumed_req_ids", "asks_kv_cache_access",
-           "kv_cache_access"]
+           "kv_cache_access", "draft_kv_suffix", "kv_events", "host_hit_source"]
 
 
 def token_ids(tokens: Any) -> Any:
@@ -103,3 +108,78 @@ def kv_cache_access(mode: str) -> Any:
     from vllm.config.kv_transfer import KVCacheAccess
 
     return KVCacheAccess.LEGACY_IPC if mode == "lmcache" else KVCacheAccess.IN_PROCESS
+
+
+def draft_kv_suffix(vllm_config: Any) -> str:
+    """What a drafter with KV layers of its own adds to the model name the servers see
+    (``##draft-<method>-<draft model>``), "" without one. vLLM registers the drafter's
+    layers with the model's (0.34 ``extensible_kv_cache.py`` ``extend_kv_cache``, the
+    GPU model runner), so the stored objects hold both: only engines with the same
+    drafter share them. 0.34 names the methods (``uses_draft_kv_cache``); before: EAGLE
+    style (``use_eagle``) and ``draft_model``."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return ""
+    uses = getattr(spec, "uses_draft_kv_cache", None)
+    if callable(uses):
+        has_layers = bool(uses())
+    else:
+        eagle = getattr(spec, "use_eagle", None)
+        has_layers = bool(eagle()) if callable(eagle) else False
+        has_layers = has_layers or getattr(spec, "method", None) == "draft_model"
+    if not has_layers:
+        return ""
+    draft = getattr(getattr(spec, "draft_model_config", None), "model", None)
+    return f"##draft-{spec.method}-{draft}"
+
+
+def host_hit_source() -> Any:
+    """vLLM 0.34's label for hits this connector loads (``CacheHitSource.HOST``: the
+    server's host-memory pool), None before 0.34 (no labels)."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return None
+    return CacheHitSource.HOST
+
+
+def kv_events(records: list[tuple[str, Any, int, int]], block_size: int) -> list[Any]:
+    """vLLM's KV events for ``records`` of the scheduler side (``("stored" |
+    "removed", request, first block, end block)``): ``BlockStored`` / ``BlockRemoved``
+    on medium ``CPU`` (the server's host memory) under vLLM's own block hashes of the
+    request, with the token ids, parent hash, LoRA and extra keys (the cache salt)
+    vLLM's own GPU events carry for the same blocks (``v1/core/block_pool.py``), so a
+    KV-aware router can match them. Blocks vLLM has not hashed (no prefix caching)
+    are left out."""
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    convert = getattr(kcu, "maybe_convert_block_hash", lambda h: h)
+    extra = getattr(kcu, "generate_block_hash_extra_keys", None)
+    to_event = getattr(kcu, "to_event_extra_keys", None)
+    out: list[Any] = []
+    for kind, request, first, end in records:
+        hashes = list(getattr(request, "block_hashes", None) or ())[first:end]
+        if not hashes:
+            continue
+        end = first + len(hashes)
+        converted = [convert(h) for h in hashes]
+        if kind == "removed":
+            out.append(BlockRemoved(block_hashes=converted, medium=MEDIUM_CPU))
+            continue
+        keys = None
+        if extra is not None and to_event is not None:
+            per_block, mm = [], 0
+            for b in range(first, end):
+                key, mm = extra(request, b * block_size, (b + 1) * block_size, mm)
+                per_block.append(key)
+            keys = to_event(per_block)
+        lora = getattr(request, "lora_request", None)
+        tokens = list(request.all_token_ids[first * block_size:end * block_size])
+        out.append(BlockStored(
+            block_hashes=converted,
+            parent_block_hash=convert(request.block_hashes[first - 1]) if first else None,
+            token_ids=tokens, block_size=block_size,
+            lora_id=lora.adapter_id if lora else None, medium=MEDIUM_CPU,
+            lora_name=lora.name if lora else None, extra_keys=keys))
+    return out

@@ -33,8 +33,11 @@ SAME_AS_OURS: dict[str, tuple[tuple[Any, ...], str]] = {
                                            "lmcache.mp.lookup_wait a step (0: never)"),
     "hash_algorithm": (("blake3",), "chunk keys are blake3 hashes (start the server "
                                     "with its default --hash-algorithm blake3)"),
-    "use_vmm_api": ((True, False), "CUDA VMM memory (the cumem allocator) is detected "
-                                   "from the memory itself"),
+    "use_vmm_api": ((False,), "vLLM's CUDA VMM memory (its extensible cache, the cumem "
+                              "allocator) is copied in process, engine-driven; true asks "
+                              "vLLM 0.34 for a POSIX-fd exportable cache (EXPORTS_FD) for "
+                              "the server to map, and no LMCache release up to 0.5.7rc2 "
+                              "can receive a VMM fd (it has no fd transport)"),
     "isolated_ipc": ((False,), "CUDA IPC needs the server in the same IPC namespace"),
     "lazy_offload": ((False,), "stores are submitted after each forward pass"),
     "transfer_intermediate_tensors": ((False,), "only KV caches are transferred"),

@@ -26,7 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...client import Client
 from ...errors import InvalidArgument, ProtocolMismatch
 from .amx import request_amx_tiles
-from .compat import asks_kv_cache_access, kv_cache_access
+from .compat import (
+    asks_kv_cache_access,
+    draft_kv_suffix,
+    host_hit_source,
+    kv_cache_access,
+    kv_events,
+)
 from .config import ConnectorConfig, placement
 from .kv_caches import check_one_group, mla_only, refusal, registration_mode, wrap_layers
 from .metrics import LMCacheMPClientPromMetrics, LMCacheMPClientStats
@@ -61,16 +67,30 @@ class ProtocolFamilies(KVConnectorHandshakeMetadata):  # type: ignore[misc]
 class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM KV connector for an LMCache MP server, built on lmcache_mp."""
 
+    # vLLM 0.34 labels the hits it loads by tier: the servers' host-memory pool.
+    _cache_hit_source = host_hit_source() or getattr(KVConnectorBase_V1,
+                                                     "_cache_hit_source", None)
+
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.cfg = ConnectorConfig.from_extra(extra)
         pc = vllm_config.parallel_config
-        self.model_name = self.cfg.keyed_model_name(str(vllm_config.model_config.model))
+        # The drafter's layers (EAGLE, MTP, a draft model) are registered too: their
+        # objects are keyed apart from the model's alone (compat.draft_kv_suffix).
+        self.model_name = self.cfg.keyed_model_name(
+            str(vllm_config.model_config.model)) + draft_kv_suffix(vllm_config)
         if getattr(pc, "decode_context_parallel_size", 1) > 1:
             raise InvalidArgument("decode-context parallelism is not supported by the "
                                   "lmcache_mp connector yet")
+        if getattr(pc, "prefill_context_parallel_size", 1) > 1:
+            raise InvalidArgument(
+                "prefill-context parallelism (--prefill-context-parallel-size "
+                f"{pc.prefill_context_parallel_size}) is not supported by the lmcache_mp "
+                "connector: each PCP rank holds a part of every request's KV and would "
+                "store it as a whole copy of its own, and the read locks would not count "
+                "the PCP ranks; set --prefill-context-parallel-size 1")
         n = len(self.cfg.server_urls)
         if n > 1 and (getattr(pc, "pipeline_parallel_size", 1) > 1
                       or getattr(pc, "data_parallel_size", 1) > 1):
@@ -99,6 +119,8 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                  tp_size=tp).kv_world_size
             self.scheduler = SchedulerSide(
                 self.cfg, clients, model_name=self.model_name, kv_world_size=kv_world,
+                events=bool(getattr(getattr(vllm_config, "kv_events_config", None),
+                                    "enable_kv_cache_events", False)),
                 lookup_tp_size=max(1, tp // n), block_size=self.block_size, mla=self.mla,
                 kv_role=str(self._kv_transfer_config.kv_role or "kv_both"),
                 # Its first health check waits for the workers' protocol families
@@ -239,6 +261,35 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler.update_connector_output(
             connector_output.finished_recving, connector_output.finished_sending,
             getattr(connector_output, "invalid_block_ids", None))
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: the servers are a best-effort cache; a store that a preemption drops
+        is a later miss, never wrong output (vLLM 0.34 then keeps a preempted
+        request's in-flight output instead of dropping it; its default, True for
+        ``kv_both``, is for P/D hand-offs)."""
+        return False
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether blocks of finished requests are held only for stores in flight
+        (bounded by ``lmcache.mp.transfer_timeout``): vLLM 0.34 then waits a step
+        for them instead of preempting a running request."""
+        return self.scheduler is not None and self.scheduler.has_pending_block_frees()
+
+    def may_load_async(self, request: Any) -> bool:
+        """Whether this request may load from the servers (its hit, when its lookup
+        answered already; otherwise whether it is looked up at all): vLLM 0.34 admits
+        such requests while the batch is full under ``--max-num-inflight-kv-loads``."""
+        return self.scheduler is not None and self.scheduler.may_load(request)
+
+    def take_events(self) -> list[Any]:
+        """KV events since the last call (with ``--kv-events-config`` enabled): blocks
+        this engine stored on the servers, and blocks whose load failed, as vLLM's
+        ``BlockStored`` / ``BlockRemoved`` on medium ``CPU`` (compat.kv_events)."""
+        if self.scheduler is None:
+            return []
+        records = self.scheduler.take_events()
+        return kv_events(records, self.block_size) if records else []
 
     def reset_cache(self) -> bool | None:
         """vLLM's cache reset (``LLM.sleep(reset_connector=True)``, the default; a pause

@@ -147,7 +147,8 @@ class SchedulerSide:
     def __init__(self, cfg: ConnectorConfig, clients: dict[str, Any], *, model_name: str,
                  kv_world_size: int, block_size: int, lookup_tp_size: int = 1,
                  mla: bool = False, start_health: bool = True,
-                 kv_role: str = "kv_both", initial_check: bool = True) -> None:
+                 kv_role: str = "kv_both", initial_check: bool = True,
+                 events: bool = False) -> None:
         self.cfg = cfg
         self.clients = clients
         self.model_name = model_name
@@ -177,6 +178,10 @@ class SchedulerSide:
         # Session ids: vLLM's request id + this scheduler's nonce + a per-tracker count.
         self._session_nonce = uuid.uuid4().hex[:8]
         self._session_count = itertools.count()
+        #: KV events for vLLM (``take_events``; only with vLLM's KV events on):
+        #: ("stored" | "removed", vLLM's request, first block, end block).
+        self.events = events
+        self._events: list[tuple[str, Any, int, int]] = []
         #: vLLM's cache resets so far (:meth:`reset`): every key made after the n-th
         #: carries it in its cache salt, so nothing stored before is loaded again.
         self.generation = 0
@@ -300,6 +305,27 @@ class SchedulerSide:
         if len(salt) + len(tag) > SALT_MAX_LEN:
             salt = "h" + hashlib.sha256(salt.encode()).hexdigest()[:40]
         return salt + tag
+
+    # ------------------------------------------------------- vLLM 0.34's queries
+    def has_pending_block_frees(self) -> bool:
+        """Whether finished requests' blocks are held only for stores in flight."""
+        return bool(self._held) or any(t.sending for t in self._finishing)
+
+    def may_load(self, request: Any) -> bool:
+        """Whether ``request`` may load from the servers; cheap (vLLM asks whenever it
+        queues a request): its lookup's answer if in, else whether it is looked up."""
+        t = self.trackers.get(request.request_id)
+        if not self.loads or skips_external_kv(request) or (t is not None and (
+                t.state is State.BYPASS or t.no_reads)):
+            return False
+        if t is not None and t.hit is not None:
+            return t.hit > 0
+        return not self._checked or (self._chunk_size is not None
+                                     and all(self.healthy.values()))
+
+    def take_events(self) -> list[tuple[str, Any, int, int]]:
+        events, self._events = self._events, []
+        return events
 
     # ----------------------------------------------------------------- reset
     def reset(self) -> bool:
@@ -652,6 +678,9 @@ class SchedulerSide:
         if n < 1:
             return None
         start, t.stored = t.stored, t.stored + n * chunk
+        if self.events and t.request is not None:
+            self._events.append(("stored", t.request, start // self.block_size,
+                                 t.stored // self.block_size))
         return TransferOp("STORE", t.request_id, start, t.stored,
                           self._blocks(t, start, t.stored), t.salt,
                           session_id=t.session_id)
@@ -679,6 +708,10 @@ class SchedulerSide:
                     # again by this request (the server may have lost them).
                     t.stored = min(t.stored, t.vllm_hit // (self._chunk_size or 1)
                                    * (self._chunk_size or 1))
+                    if self.events and t.request is not None:  # what it could not load
+                        self._events.append(("removed", t.request,
+                                             t.vllm_hit // self.block_size,
+                                             (t.hit or 0) // self.block_size))
                     log.warning("lmcache_mp connector: request %s is recomputed without "
                                 "the cache: its KV load failed (the workers say why); it is "
                                 "not loaded from the cache again", t.request_id)

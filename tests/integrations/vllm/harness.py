@@ -237,7 +237,7 @@ class Engine:
                  backend: str = "CPU_ATTN", extensible: bool | None = None,
                  kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM,
                  warmup_blocks: int = WARMUP_BLOCKS,
-                 failure_policy: str = "recompute") -> None:
+                 failure_policy: str = "recompute", observe: bool = False) -> None:
         from vllm.config import (
             CacheConfig,
             DeviceConfig,
@@ -265,16 +265,35 @@ class Engine:
                                   kv_connector_module_path=connector[1], kv_role="kv_both",
                                   kv_connector_extra_config=extra,
                                   kv_load_failure_policy=failure_policy)
+        # ``observe`` (0.34): what vLLM's scheduler asks the connector beyond the
+        # transfers: KV events on (a null publisher, its batches recorded), stats on
+        # (hit sources), async admission of loads (--max-num-inflight-kv-loads 2).
+        observed: dict[str, Any] = {}
+        sched_extra: dict[str, Any] = {}
+        if observe:
+            from vllm.config import KVEventsConfig
+
+            observed["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True,
+                                                          publisher="null")
+            sched_extra["max_num_inflight_kv_loads"] = 2
         self.config = VllmConfig(
             model_config=model_cfg,
             cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
                                      num_gpu_blocks_override=num_blocks),
             scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048,
-                                             max_model_len=1024, is_encoder_decoder=False),
+                                             max_model_len=1024, is_encoder_decoder=False,
+                                             **sched_extra),
             parallel_config=ParallelConfig(tensor_parallel_size=tp),
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=kv_cfg,
+            **observed,
         )
+        self.observe = observe
+        #: With ``observe``: the KV events vLLM published, the hit sources it got from
+        #: the connector, each request's waiting queue at admission, and whether
+        #: ``has_pending_block_frees`` ever disagreed with the held requests.
+        self.observed: dict[str, Any] = {"events": [], "hit_sources": [], "queues": {},
+                                         "pending_frees": [0, 0], "pending_wrong": 0}
         # vLLM 0.34 on CUDA: the extensible cache unless the connector's kv_cache_access
         # rules it out (``extensible=None``: as vLLM decides).
         self.extensible = (extensible_by_vllm(self.config) if extensible is None
@@ -319,7 +338,9 @@ class Engine:
             self.scheduler = Scheduler(
                 vllm_config=self.config, kv_cache_config=self.kv_cache_config,
                 structured_output_manager=StructuredOutputManager(self.config),
-                block_size=block_size, log_stats=False)
+                block_size=block_size, log_stats=observe)
+            if observe:
+                self._observe()
             self.workers: list[Any] = []
             #: Per rank: vLLM's V2 ActiveKVConnector (0.34), None with the V1 mixin.
             self.drivers: list[Any] = []
@@ -350,6 +371,29 @@ class Engine:
         self.on_retrieve_of: dict[str, Any] = {}
         #: num_computed_tokens of the running requests after the last step (rewinds).
         self._computed: dict[str, int] = {}
+
+    def _observe(self) -> None:
+        """Record what vLLM publishes and asks (``observe``)."""
+        s, seen = self.scheduler, self.observed
+        publish = s.kv_event_publisher.publish
+
+        def published(batch: Any) -> None:
+            seen["events"].extend({"type": type(e).__name__, "medium": getattr(e, "medium", None),
+                                   "hashes": [str(h) for h in getattr(e, "block_hashes", ())],
+                                   "tokens": len(getattr(e, "token_ids", ()) or ())}
+                                  for e in batch.events)
+            publish(batch)
+
+        s.kv_event_publisher.publish = published
+        sources = s.connector.get_external_cache_hit_sources
+
+        def hit_sources(request: Any, n: int) -> Any:
+            got = sources(request, n)
+            seen["hit_sources"].append({str(k): v for k, v in got.items()})
+            return got
+
+        s.connector.get_external_cache_hit_sources = hit_sources
+        seen["requires_kv_delivery"] = bool(s.requires_kv_delivery)
 
     def _rank(self, cfg: Any, kv_cache_config: Any, layout: Any
               ) -> tuple[Any, Any, Any, dict[str, torch.Tensor]]:
@@ -428,6 +472,13 @@ class Engine:
                       sampling_params=params, pooling_params=None, cache_salt=cache_salt,
                       block_hasher=get_request_block_hasher(self.block_size, self.hasher_fn))
         self.scheduler.add_request(req)
+        if self.observe:
+            s = self.scheduler
+            self.observed["queues"][rid] = next(
+                name for name, q in (("async_kv_waiting", s.async_kv_waiting),
+                                     ("waiting", s.waiting),
+                                     ("kv_holding_waiting", s.kv_holding_waiting))
+                if any(r.request_id == rid for r in q))
         self.finished_requests.append(req)
         self.results[rid] = RequestResult(len(prompt))
         self.tokens[rid] = list(prompt)
@@ -518,6 +569,11 @@ class Engine:
             if req.num_computed_tokens < self._computed.get(req.request_id, 0):
                 self.results[req.request_id].rewound += 1
         self._computed = {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
+        if self.observe:  # finished requests whose blocks vLLM still holds: stores
+            held = any(r.is_finished() for r in self.scheduler.requests.values())
+            pending = self.scheduler.connector.has_pending_block_frees()
+            self.observed["pending_frees"][int(pending)] += 1
+            self.observed["pending_wrong"] += int(pending != held)
         if not req_ids:
             _time.sleep(0.005)  # only transfers in flight: let them progress
 
@@ -710,7 +766,8 @@ def main(spec_path: str) -> None:
                  extensible=spec.get("extensible"),
                  kv_heads=spec.get("kv_heads", KV_HEADS), head_dim=spec.get("head_dim", HEAD_DIM),
                  warmup_blocks=spec.get("warmup_blocks", WARMUP_BLOCKS),
-                 failure_policy=spec.get("failure_policy", "recompute"))
+                 failure_policy=spec.get("failure_policy", "recompute"),
+                 observe=spec.get("observe", False))
     out: dict[str, Any] = {"requests": {}, "phase_seconds": [], "vllm": vllm_release()}
     lookups: dict[str, int] = {}
     instances: list[list[int]] = [[] for _ in eng.workers]
@@ -758,6 +815,8 @@ def main(spec_path: str) -> None:
         out["requests"] = {rid: vars(r) for rid, r in eng.results.items()}
         out["preemptions"] = sum(getattr(r, "num_preemptions", 0)
                                  for r in eng.finished_requests)
+        if eng.observe:
+            out["observed"] = eng.observed
         if which is OURS:
             stats: dict[str, int] = {}
             for w in eng.workers:
@@ -931,10 +990,63 @@ def token_buffer_check() -> dict[str, Any]:
             "grew_to": len(req.all_token_ids)}
 
 
+def connector_config_check() -> dict[str, Any]:
+    """What our connector makes of vLLM configs it must refuse or key apart, created as
+    vLLM creates it (``KVConnectorFactory.create_connector``, scheduler role): the
+    model name it keys objects under without speculative decoding, with a draft model
+    (a drafter with KV layers of its own) and with n-gram speculation (none); the
+    refusal of prefill-context parallelism. One JSON line."""
+    from vllm.config import (
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16")
+
+    def config(**spec: Any) -> Any:
+        speculative = (SpeculativeConfig(**spec, target_model_config=model,
+                                         target_parallel_config=ParallelConfig())
+                       if spec else None)
+        return VllmConfig(model_config=model, device_config=DeviceConfig("cpu"),
+                          speculative_config=speculative,
+                          kv_transfer_config=KVTransferConfig(
+                              kv_connector=OURS[0], kv_connector_module_path=OURS[1],
+                              kv_role="kv_both",
+                              kv_connector_extra_config={"lmcache.mp.health_interval": 60}))
+
+    def model_name(cfg: Any) -> str:
+        connector = KVConnectorFactory.create_connector(
+            config=cfg, role=KVConnectorRole.SCHEDULER, kv_cache_config=None)
+        try:
+            return str(connector.model_name)
+        finally:
+            connector.shutdown()
+
+    out = {"model": model_dir(), "plain": model_name(config()),
+           "draft_model": model_name(config(method="draft_model", model=model_dir(),
+                                            num_speculative_tokens=2)),
+           "ngram": model_name(config(method="ngram", num_speculative_tokens=2,
+                                      prompt_lookup_max=3))}
+    pcp = config()
+    pcp.parallel_config.prefill_context_parallel_size = 2
+    try:
+        model_name(pcp)
+        out["pcp"] = "accepted"
+    except Exception as exc:  # noqa: BLE001 - reported
+        out["pcp"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 #: ``python harness.py --CHECK [--CHECK ...]``: one RESULT line, ``{CHECK: its result}``
 #: (one vLLM import for them all).
 CHECKS = {"--sleep-mode": sleep_mode_check, "--kv-cache-access": kv_cache_access_check,
-          "--token-buffer": token_buffer_check}
+          "--token-buffer": token_buffer_check, "--connector-config": connector_config_check}
 
 if __name__ == "__main__":
     if sys.argv[1] in CHECKS:

@@ -901,11 +901,21 @@ def test_lmcaches_keys_with_our_behaviour_are_accepted_and_logged(
     caplog.set_level(logging.INFO, "lmcache_mp")
     ConnectorConfig.from_extra({"lmcache.mp.lazy_offload": "false",
                                 "lmcache.mp.hash_algorithm": "blake3",
-                                "lmcache.mp.use_vmm_api": True,
+                                "lmcache.mp.use_vmm_api": False,
                                 "lmcache.mp.nonblocking_lookup_status": True})
     said = caplog.text
     for key in ("lazy_offload", "hash_algorithm", "use_vmm_api", "nonblocking_lookup_status"):
         assert f"lmcache.mp.{key}" in said
+
+
+def test_use_vmm_api_true_is_refused_saying_why() -> None:
+    """LMCache's ``use_vmm_api=true`` makes vLLM 0.34 allocate a POSIX-fd exportable
+    cache for the server to map (EXPORTS_FD), which no LMCache release can receive:
+    refused when vLLM reads the config, saying so (issue 34 item 6). Before
+    (1470964) it was accepted and silently meant in-process copies."""
+    with pytest.raises(InvalidArgument, match="use_vmm_api=True.*EXPORTS_FD.*no LMCache "
+                                              "release"):
+        ConnectorConfig.from_extra({"lmcache.mp.use_vmm_api": True})
 
 
 def test_rank_placement_is_lmcaches() -> None:

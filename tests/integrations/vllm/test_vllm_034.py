@@ -57,10 +57,11 @@ def server() -> Any:
 
 @pytest.fixture(scope="module")
 def checks() -> dict[str, Any]:
-    """``harness.py --kv-cache-access --token-buffer`` under the tree's python (one
-    vLLM import for both): ``{check: its result}``."""
+    """``harness.py --kv-cache-access --token-buffer --connector-config`` under the
+    tree's python (one vLLM import for them all): ``{check: its result}``."""
     proc = subprocess.run([str(vllm_python()), str(HARNESS), "--kv-cache-access",
-                           "--token-buffer"], capture_output=True, text=True, timeout=300,
+                           "--token-buffer", "--connector-config"], capture_output=True,
+                          text=True, timeout=300,
                           env=engine_env(), cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
@@ -357,3 +358,51 @@ def test_the_chunks_of_a_failed_load_are_stored_again_by_the_request(tmp_path: P
         assert loaded(again, "d") == 3 * CHUNK, "A's recomputed chunks never reached the server"
     finally:
         s.stop()
+
+
+def test_the_rest_of_0_34s_connector_api_on_its_scheduler(server: LiveServer,
+                                                          tmp_path: Path) -> None:
+    """What vLLM 0.34's scheduler asks the connector beyond the transfers, on its own
+    Scheduler with KV events on, stats on and ``--max-num-inflight-kv-loads 2``:
+
+    * ``requires_kv_delivery`` False (a best-effort cache; vLLM's default, True for
+      ``kv_both``, drops a preempted request's in-flight output);
+    * ``may_load_async``: a request with a hit is admitted through vLLM's async-load
+      queue, one that reads no external KV (prompt logprobs) through the plain queue;
+    * ``has_pending_block_frees`` True exactly while finished requests' blocks are
+      held for their stores, at every step;
+    * KV events: vLLM publishes ``BlockStored`` on medium ``CPU`` for the stored
+      chunks' blocks, under the very hashes of its own ``GPU`` events for them;
+    * hits labelled ``host``.
+    Before (1470964): delivery True, both requests in the plain queue, pending frees
+    never reported, no CPU events, hits ``external_unspecified``."""
+    p = tokens(358, 2 * CHUNK + 9)
+    first = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("s", p)]}],
+                       observe=True)
+    r = run_engine(tmp_path, "ours", [server.url], [
+        {"requests": [req("l", p), {**req("lp", p), "prompt_logprobs": 1}]}], observe=True)
+    for seen in (first["observed"], r["observed"]):
+        assert seen["requires_kv_delivery"] is False
+        assert seen["pending_wrong"] == 0 and seen["pending_frees"][1] >= 1
+    seen = first["observed"]
+    gpu = {h for e in seen["events"] if e["type"] == "BlockStored" and e["medium"] == "GPU"
+           for h in e["hashes"]}
+    cpu = [e for e in seen["events"] if e["type"] == "BlockStored" and e["medium"] == "CPU"]
+    stored = [h for e in cpu for h in e["hashes"]]
+    assert len(stored) == 2 * CHUNK // 16 and set(stored) <= gpu  # s's two chunks
+    seen = r["observed"]
+    assert (seen["queues"]["l"], seen["queues"]["lp"]) == ("async_kv_waiting", "waiting")
+    assert loaded(r, "l") == 2 * CHUNK
+    assert seen["hit_sources"] == [{"host": 2 * CHUNK}]
+
+
+def test_pcp_is_refused_and_a_drafters_layers_are_keyed_apart(checks: dict[str, Any]) -> None:
+    """Prefill-context parallelism is refused when vLLM creates the connector, saying
+    what to set; a speculative method with KV layers of its own (EAGLE, MTP, a draft
+    model) keys the objects apart (its layers are registered with the model's), one
+    without (n-gram) does not. Before (1470964): PCP accepted (each PCP rank stored a
+    copy of its own), the drafter's layers under the model's plain key."""
+    out = checks["--connector-config"]
+    assert "--prefill-context-parallel-size 1" in out["pcp"], out
+    assert out["draft_model"].endswith("##draft-draft_model-" + out["model"]), out
+    assert out["ngram"] == out["model"], out
