@@ -6,8 +6,9 @@ chunk-aligned prefix is looked up on every server, waiting for the answers at mo
 in, and a local server's usually is within the step); the hit is the minimum over servers (extra locks are
 freed); chunks vLLM's own prefix cache already holds have their locks freed, and the
 RETRIEVE skips them; newly computed whole prompt chunks (and decode chunks with
-``save_decode_cache``) are stored; a preempted request looks up again; a finished
-request ends its server session. While a server does not answer its health probe,
+``save_decode_cache``) are stored; a preempted request looks up again (unless its
+load failed); a finished request ends its server session; vLLM's cache reset starts
+a new key generation (:meth:`SchedulerSide.reset`). While a server does not answer its health probe,
 lookups report 0 and nothing is sent to it, so the engine never waits on a dead server.
 
 What vLLM is promised, and kept:
@@ -265,7 +266,9 @@ class SchedulerSide:
         if t is not None and t.state is not State.LOOKUP and _preempted(request):
             # Preempted: vLLM freed its blocks and schedules it again from its own
             # prefix cache; look it up again (what it stored is on the server), as
-            # LMCache's connector does. Its server session goes on (same session id).
+            # LMCache's own connector 0.5.6 does (vLLM 0.34's in-tree copy of it
+            # answers 0 for a preempted request instead). Its server session goes on
+            # (same session id); one whose load failed is not loaded again.
             log.debug("lmcache_mp connector: request %s was preempted; looking it up "
                       "again", request.request_id)
             load_failed, session_id, t = t.load_failed, t.session_id, None
