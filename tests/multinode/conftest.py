@@ -15,6 +15,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,30 @@ def node_server(tier: Tier, tag: str, version: str = SERVER_VERSION,
     """One node: both transfer modes, an L1 pool of its own in shared memory, the tier."""
     return start_server(*both_modes_args(f"{tag}{os.getpid()}"), *tier.flag(), *more,
                         version=version)
+
+
+def require_l2_release() -> None:
+    if SERVER_VERSION not in OTHER_RELEASE:
+        pytest.skip(f"LMCache {SERVER_VERSION}: the multi-node tests cover 0.5.6 and 0.5.7rc2 "
+                    "(their oracle venvs carry valkey-glide for the valkey adapter)")
+
+
+@contextmanager
+def sharing(tier_name: str, versions: tuple[str, str] = (SERVER_VERSION, SERVER_VERSION),
+            **adapter: object) -> Iterator[Nodes]:
+    """A fresh tier (``adapter``: more of its ``--l2-adapter`` keys) and servers A and B
+    sharing it; the servers stopped, then the tier."""
+    require_l2_release()
+    tier = make_tier(tier_name)
+    tier.adapter.update(adapter)
+    try:
+        pair = start_nodes(tier, versions)
+        try:
+            yield pair
+        finally:
+            pair.close()
+    finally:
+        tier.close()
 
 
 def start_nodes(tier: Tier, versions: tuple[str, str] = (SERVER_VERSION, SERVER_VERSION),

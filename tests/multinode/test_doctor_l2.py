@@ -20,13 +20,13 @@ from lmcache_mp.cli.doctor import run_doctor
 from ..conftest import SERVER_VERSION, LiveServer
 from .conftest import (
     GEOMETRY,
-    OTHER_RELEASE,
     NodeCache,
     Tier,
     log_path,
     make_tier,
     node_server,
     prefix,
+    require_l2_release,
 )
 
 pytestmark = pytest.mark.live
@@ -34,8 +34,7 @@ pytestmark = pytest.mark.live
 
 @pytest.fixture(scope="module")
 def tier() -> Iterator[Tier]:
-    if SERVER_VERSION not in OTHER_RELEASE:
-        pytest.skip("the multi-node tests run against 0.5.6 and 0.5.7rc2")
+    require_l2_release()
     t = make_tier("fs")
     yield t
     t.close()

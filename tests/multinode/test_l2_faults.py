@@ -25,19 +25,16 @@ import pytest
 
 from lmcache_mp.cli.l2_doctor import scan_server_log
 
-from ..conftest import SERVER_VERSION
 from ..support.live_helpers import lookup_all
 from ..support.valkey import ValkeyError
 from .conftest import (
-    OTHER_RELEASE,
     NodeCache,
     Nodes,
     Tier,
     log_path,
-    make_tier,
     prefix,
     share,
-    start_nodes,
+    sharing,
 )
 
 pytestmark = pytest.mark.live
@@ -48,19 +45,9 @@ _seeds = itertools.count(36_000)
 
 @pytest.fixture(params=["resp", "valkey"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Nodes]:
-    if SERVER_VERSION not in OTHER_RELEASE:
-        pytest.skip("the multi-node tests run against 0.5.6 and 0.5.7rc2")
-    tier = make_tier(request.param)
-    if request.param == "valkey":
-        tier.adapter["request_timeout"] = GLIDE_TIMEOUT
-    try:
-        nodes = start_nodes(tier)
-        try:
-            yield nodes
-        finally:
-            nodes.close()
-    finally:
-        tier.close()
+    extra = {"request_timeout": GLIDE_TIMEOUT} if request.param == "valkey" else {}
+    with sharing(request.param, **extra) as nodes:
+        yield nodes
 
 
 def lookup_bound(tier: Tier) -> float:

@@ -18,7 +18,15 @@ from collections.abc import Iterator
 import pytest
 
 from ..conftest import SERVER_VERSION
-from .conftest import OTHER_RELEASE, NodeCache, Nodes, make_tier, prefix, share, start_nodes
+from .conftest import (
+    OTHER_RELEASE,
+    NodeCache,
+    Nodes,
+    prefix,
+    require_l2_release,
+    share,
+    sharing,
+)
 
 pytestmark = pytest.mark.live
 MODES = ["lmcache", "engine"]
@@ -26,24 +34,10 @@ TIERS = ["fs", "fs_native", "resp", "valkey", "valkey_cluster"]
 _seeds = itertools.count(3600)
 
 
-def _require_l2_release(version: str) -> None:
-    if version not in OTHER_RELEASE:
-        pytest.skip(f"LMCache {version}: the multi-node tests cover 0.5.6 and 0.5.7rc2 "
-                    "(their oracle venvs carry valkey-glide for the valkey adapter)")
-
-
 @pytest.fixture(scope="module", params=TIERS)
 def nodes(request: pytest.FixtureRequest) -> Iterator[Nodes]:
-    _require_l2_release(SERVER_VERSION)
-    tier = make_tier(request.param)
-    try:
-        pair = start_nodes(tier)
-        try:
-            yield pair
-        finally:
-            pair.close()
-    finally:
-        tier.close()
+    with sharing(request.param) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -66,16 +60,9 @@ CROSS_TIERS = ["fs", "resp", "valkey"]
 @pytest.fixture(scope="module", params=CROSS_TIERS)
 def cross_nodes(request: pytest.FixtureRequest) -> Iterator[Nodes]:
     """A of the other release, B of the job's, one tier."""
-    _require_l2_release(SERVER_VERSION)
-    tier = make_tier(request.param)
-    try:
-        pair = start_nodes(tier, (OTHER_RELEASE[SERVER_VERSION], SERVER_VERSION))
-        try:
-            yield pair
-        finally:
-            pair.close()
-    finally:
-        tier.close()
+    require_l2_release()
+    with sharing(request.param, (OTHER_RELEASE[SERVER_VERSION], SERVER_VERSION)) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("mode", MODES)

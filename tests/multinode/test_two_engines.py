@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from ..conftest import SERVER_VERSION, LiveServer
+from ..conftest import LiveServer
+from ..integrations.vllm import test_real_engine
 from ..integrations.vllm.test_real_engine import (
     SCHEDULE_DRIFT,
     Engines,
@@ -34,7 +35,7 @@ from ..integrations.vllm.test_real_engine import (
     stats,
     whole_chunks,
 )
-from .conftest import OTHER_RELEASE, Nodes, make_tier, node_server, start_nodes
+from .conftest import Nodes, make_tier, node_server, require_l2_release, sharing
 
 pytestmark = pytest.mark.live
 
@@ -46,26 +47,14 @@ SETS = {"main": (MAIN, 8), "across": (ACROSS, 8), "stalled": (STALLED, 8)}
 GLIDE_TIMEOUT = 10.0
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
-    e = Engines(tmp_path_factory.mktemp("multinode"))
-    yield e
-    e.close()
+#: The engines of the module (test_real_engine's fixture: one fork server of engines).
+engines = test_real_engine.engines
 
 
 @pytest.fixture(scope="module")
 def nodes() -> Iterator[Nodes]:
-    if SERVER_VERSION not in OTHER_RELEASE:
-        pytest.skip("the multi-node tests run against 0.5.6 and 0.5.7rc2")
-    tier = make_tier("resp")
-    try:
-        pair = start_nodes(tier)
-        try:
-            yield pair
-        finally:
-            pair.close()
-    finally:
-        tier.close()
+    with sharing("resp") as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +118,7 @@ def test_a_stalled_tier_costs_a_request_the_l2_wait_not_the_adapters(
     request_timeout (10 s here); the connector gives it up after l2_load_timeout (1 s)
     and computes: tokens as without a connector, the round well within the adapter's
     stall, the give-ups counted in vLLM's metrics (what an operator sees)."""
-    if SERVER_VERSION not in OTHER_RELEASE:
-        pytest.skip("the multi-node tests run against 0.5.6 and 0.5.7rc2")
+    require_l2_release()
     tier = make_tier("valkey")
     tier.adapter["request_timeout"] = GLIDE_TIMEOUT
     server: LiveServer | None = None

