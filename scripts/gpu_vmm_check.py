@@ -15,7 +15,14 @@ start inside the chunk, as a caching allocator's would), and checks:
    lmcache_mp/ipc/cuda/vmm.py);
 3. the 0.5.6 / 0.5.7 profiles refuse to REGISTER it (ProtocolMismatch), and a
    fabric-exportable chunk, where the device supports fabric handles, travels inline;
-4. closing the cache closes the fds.
+4. closing the cache closes the fds;
+5. vLLM 0.34's extensible cache as its ``ExtensibleTensor`` commits it (issue 34): one
+   reservation, a chunk with no shareable handle type mapped per commit, side by side,
+   each layer over three: ``cuMemGetAddressRange`` answers the chunk holding a pointer
+   (what the fake driver models and the registration's chunk walk relies on), every
+   chunk is device memory of device 0, the cache registers for engine-driven copies
+   only, and they move every block both ways across the chunks' boundaries, bytes
+   compared with what ``cuMemcpyDtoH`` reads.
 
 Prints one JSON object. Exit status: 0 all checks passed, 1 a check failed, 3 no GPU.
 """
@@ -142,6 +149,7 @@ def main() -> int:
         closed = all(not _fd_open(fd) for fd in fds)  # type: ignore[arg-type]
         report["checks"]["fds closed"] = {"ok": closed}
         report["checks"]["fabric"] = fabric_check(cu, geom, layer)
+        report["checks"]["multi-chunk"] = multi_chunk_check(cu)
         ok = all(c.get("ok", True) for c in report["checks"].values())
     except Exception as exc:  # noqa: BLE001 - reported, not raised: the run goes on
         report["error"] = f"{type(exc).__name__}: {exc}"
@@ -185,6 +193,92 @@ def fabric_check(cu: Any, geom: dict[str, Any], layer: int) -> dict[str, Any]:
         return {"ok": good}
     finally:
         destroy(cu, handle, ptr, size)
+
+
+def multi_chunk_check(cu: Any) -> dict[str, Any]:
+    """Check 5 of the module docstring."""
+    import numpy as np
+
+    from lmcache_mp.ipc.base import STORAGE_DTYPES, KVGeometry
+    from lmcache_mp.ipc.cuda import CudaKVCache, get_driver
+    from lmcache_mp.ipc.paged_copy import gather_chunk, scatter_chunk
+    from lmcache_mp.protocol.types import PoolSlot
+    from lmcache_mp.session.engine_driven import Pool, copy_from_slots, copy_into_slots
+
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = 0
+    gran = int(check(cu, cu.cuMemGetAllocationGranularity(
+        prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+        "cuMemGetAllocationGranularity"))
+    gran = max(gran, 2 << 20)  # vLLM floors its granule at 2 MiB
+    # Two HND layers of three granules each: 4 KiB a block per plane.
+    g = KVGeometry(2, 3 * gran // (2 * 2 * 16 * 64 * 2), 16, 2, 64, "bfloat16", False)
+    total = g.num_layers * g.layer_nbytes
+    res = int(check(cu, cu.cuMemAddressReserve(total, 0, 0, 0), "cuMemAddressReserve"))
+    handles: list[Any] = []
+    out: dict[str, Any] = {}
+    try:
+        for i in range(total // gran):  # one cuMemCreate per commit, as vLLM's
+            handles.append(check(cu, cu.cuMemCreate(gran, prop, 0), "cuMemCreate"))
+            check(cu, cu.cuMemMap(res + i * gran, gran, 0, handles[-1], 0), "cuMemMap")
+        set_access(cu, res, total, 0)
+        base, size = check(cu, cu.cuMemGetAddressRange(res + gran + 100),
+                           "cuMemGetAddressRange")
+        out["address range is the chunk"] = (int(base), int(size)) == (res + gran, gran)
+        drv = get_driver()
+        out["every chunk device memory of device 0"] = all(
+            drv.pointer_attribute(res + i * gran, "MEMORY_TYPE") == 2
+            and drv.pointer_attribute(res + i * gran, "IS_LEGACY_CUDA_IPC_CAPABLE") == 0
+            and drv.pointer_device(res + i * gran) == 0 for i in range(len(handles)))
+        rng = np.random.default_rng(5)
+        host = rng.integers(0, 256, total, dtype=np.uint8)
+        check(cu, cu.cuMemcpyHtoD(res, host, total), "cuMemcpyHtoD")
+        ptrs = [res + i * g.layer_nbytes for i in range(g.num_layers)]
+        cache = CudaKVCache.from_pointers(ptrs, num_blocks=g.num_blocks, block_size=16,
+                                          num_heads=2, head_dim=64, dtype="bfloat16")
+        out["registered engine-driven only"] = not cache.ipc_exportable and [
+            (e.base, e.size) for e in cache.exports] == [(p, g.layer_nbytes) for p in ptrs]
+        dtype = STORAGE_DTYPES[g.dtype][0]
+        layers = [host[i * g.layer_nbytes:(i + 1) * g.layer_nbytes].view(dtype)
+                  .reshape(g.layer_shape) for i in range(g.num_layers)]
+        # A plane is 1.5 granules: the K plane crosses a chunk at block 2n/3, the V
+        # plane (from 1.5 granules) at block n/3: blocks on both sides of both.
+        per = g.num_blocks // 3
+        ids = np.array([1, 2 * per - 1, 2 * per, 2 * per + 5, g.num_blocks - 1, per - 1,
+                        per, per + 9], np.int64)
+        chunk = 4 * g.block_size
+        shape = [2, g.num_layers, chunk, g.hidden_dim]
+        nbytes = int(np.prod(shape)) * g.itemsize
+        buf = np.zeros(2 * nbytes, np.uint8)
+        slots = [PoolSlot(offset=i * nbytes, length=nbytes, shape=shape, dtype=g.dtype)
+                 for i in range(2)]
+        pool = Pool("gpu-vmm-check", len(buf), 0, buf)
+        copy_into_slots(cache, ids, slots, [0, 1], pool, chunk, stream=0)
+        stored = True
+        for i, slot in enumerate(slots):
+            want = np.zeros(shape, dtype)
+            gather_chunk(layers, ids[4 * i:4 * i + 4], want, g)
+            stored &= buf[slot.offset:slot.offset + nbytes].tobytes() == want.tobytes()
+        out["store across chunks"] = stored
+        buf[:] = rng.integers(0, 256, len(buf), dtype=np.uint8)
+        for i, slot in enumerate(slots):
+            obj = buf[slot.offset:slot.offset + nbytes].view(dtype).reshape(shape)
+            scatter_chunk(obj, layers, ids[4 * i:4 * i + 4], g)
+        copy_from_slots(cache, ids, slots, pool, chunk, 0, stream=0)
+        back = np.empty(total, np.uint8)
+        check(cu, cu.cuMemcpyDtoH(back, res, total), "cuMemcpyDtoH")
+        out["retrieve across chunks"] = back.tobytes() == host.tobytes()
+        cache.close()
+    finally:
+        check(cu, cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        cu.cuMemUnmap(res, total)
+        for h in handles:
+            cu.cuMemRelease(h)
+        cu.cuMemAddressFree(res, total)
+    out["ok"] = all(v for v in out.values())
+    return out
 
 
 if __name__ == "__main__":
