@@ -740,14 +740,23 @@ def main(spec_path: str) -> None:
     one after the other on the same
     engine (``on_step`` runs a command after step N of the phase, ``on_retrieve`` when a
     step first orders a RETRIEVE, before the workers run: e.g. to stop the server
-    between lookup and load; ``sleep_wake``: ``Engine.sleep`` then ``Engine.wake``
-    after the phase).
+    between lookup and load; ``on_retrieve_of``: ``{id: [argv...]}`` commands run when a
+    step first orders that request's RETRIEVE, with ``then_wait_unhealthy`` until the
+    workers see the server gone; ``later``: ``{"N": [request...]}`` added after step N;
+    ``sleep_wake``: ``Engine.sleep(reset_connector)`` (``reset_connector``, true by
+    default as in vLLM) then ``Engine.wake`` after the phase). More engine keys:
+    ``kv_heads``, ``head_dim``, ``warmup_blocks`` (the extensible cache's warm-up
+    commit), ``failure_policy`` (vLLM's ``kv_load_failure_policy``), ``observe`` (KV
+    events, stats and async load admission on, recorded: ``Engine.observed``),
+    ``refuse_registration`` (every REGISTER refused: ``_refuse_registrations``).
 
     The result: per request its :class:`RequestResult`; with our connector the
     workers' summed stats, LOOKUPs sent per request (``lookups``), every
     registration's instance id per rank (``instances``), the preemptions, and the
     KV views each rank registered (``views``: storage bytes, data pointers, the block
-    count and bytes of a block of one layer, the layout, whether extensible).
+    count and bytes of a block of one layer, the layout, whether extensible, the cache
+    type and mode registered, the VMM chunks under each layer), the model name the
+    connector keys under (``model``), and with ``observe`` what vLLM asked.
     """
     import subprocess
     import time
