@@ -20,11 +20,11 @@ from lmcache_mp.ipc.cuda import CudaKVCache, export_allocation, staging
 from lmcache_mp.ipc.cuda.vmm import HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD
 from lmcache_mp.ipc.paged_copy import gather_chunk
 from lmcache_mp.protocol import get_profile
-from lmcache_mp.protocol.types import PoolSlot
 from lmcache_mp.protocol.wrappers import vmm_descriptor
-from lmcache_mp.session.engine_driven import Pool, copy_from_slots, copy_into_slots
+from lmcache_mp.session.engine_driven import copy_from_slots, copy_into_slots
 
 from ..support.fake_cuda import GRANULE, FakeDriver
+from .test_cuda_engine_driven import CHUNK, object_shape, pool_and_slots
 
 GEOM = {"num_blocks": 4, "block_size": 16, "num_heads": 2, "head_dim": 64,
         "dtype": "bfloat16"}
@@ -199,23 +199,19 @@ def test_a_layer_over_several_chunks_moves_bytes_both_ways(
         raw = drv._memory(p, MULTI.layer_nbytes)
         raw[:] = rng.integers(0, 256, MULTI.layer_nbytes, dtype=np.uint8)
         layers.append(raw.view(dtype).reshape(MULTI.layer_shape))
-    chunk = 4 * MULTI.block_size
-    shape = [2, MULTI.num_layers, chunk, MULTI.hidden_dim]
-    nbytes = int(np.prod(shape)) * MULTI.itemsize
-    buf = np.zeros(2 * nbytes, np.uint8)
-    slots = [PoolSlot(offset=i * nbytes, length=nbytes, shape=shape, dtype=MULTI.dtype)
-             for i in range(2)]
-    pool = Pool("test", len(buf), 0, buf)
+    per_chunk = CHUNK // MULTI.block_size
+    n = len(SCATTERED) // per_chunk
+    pool, slots, buf = pool_and_slots(MULTI, n)
     try:
-        copy_into_slots(cache, SCATTERED, slots, [0, 1], pool, chunk, stream=7)
+        copy_into_slots(cache, SCATTERED, slots, list(range(n)), pool, CHUNK, stream=7)
         for i, slot in enumerate(slots):
-            want = np.zeros(shape, dtype)
-            gather_chunk(layers, SCATTERED[4 * i:4 * i + 4], want, MULTI)
-            assert buf[slot.offset:slot.offset + nbytes].tobytes() == want.tobytes()
+            want = np.zeros(object_shape(MULTI), dtype)
+            gather_chunk(layers, SCATTERED[i * per_chunk:(i + 1) * per_chunk], want, MULTI)
+            assert buf[slot.offset:slot.offset + slot.length].tobytes() == want.tobytes()
         before = [layer.copy() for layer in layers]
         for layer in layers:
             layer[:, SCATTERED] = 0
-        copy_from_slots(cache, SCATTERED, slots, pool, chunk, 0, stream=7)
+        copy_from_slots(cache, SCATTERED, slots, pool, CHUNK, 0, stream=7)
         assert all(a.tobytes() == b.tobytes() for a, b in zip(layers, before, strict=True))
     finally:
         for address in list(staging.pinned_pools()):
