@@ -155,7 +155,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
     return main_doctor(args.url, args.timeout, args.engine_fraction, peer=args.peer,
                        server_logs=args.server_log, l2_wait=args.l2_wait,
-                       allow_remote=args.allow_remote)
+                       allow_remote=args.allow_remote, status_urls=args.status)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -222,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-log", action="append", default=[], metavar="FILE",
                    help="an LMCache server's log: report its L2 adapters' failures "
                         "(repeatable)")
+    p.add_argument("--status", action="append", default=[], metavar="HTTP_URL",
+                   help="an LMCache server's HTTP front (http://HOST:PORT): its /status "
+                        "(health, chunk size, hash algorithm, L2 adapters), compared "
+                        "between the nodes given (repeatable)")
     p.add_argument("--allow-remote", action="store_true", help=_ALLOW_REMOTE)
     p.set_defaults(func=_cmd_doctor)
 

@@ -161,12 +161,13 @@ def _wrapper_forms(wrappers: WrapperFormats) -> str:
 def run_doctor(url: str | None, timeout: float, *, driver: CudaDriver | None = None,
                engine_fraction: float = 0.9, box: Box | None = None,
                peer: str | None = None, server_logs: Sequence[str] = (),
-               l2_wait: float = 10.0, allow_remote: bool = False) -> list[Check]:
+               l2_wait: float = 10.0, allow_remote: bool = False,
+               status_urls: Sequence[str] = ()) -> list[Check]:
     """Every check as (check, result, ok). ``driver`` replaces cuda-python (tests);
     ``engine_fraction`` is the engine's share of GPU memory (vLLM's
     ``--gpu-memory-utilization``) for the L1 advice; ``box`` receives the facts;
-    ``peer`` (another node's server) and ``server_logs`` add the second tier's checks
-    (:mod:`lmcache_mp.cli.l2_doctor`)."""
+    ``peer`` (another node's server), ``server_logs`` and ``status_urls`` (LMCache's
+    HTTP fronts) add the second tier's checks (:mod:`lmcache_mp.cli.l2_doctor`)."""
     from .. import __version__
 
     box = box if box is not None else Box()
@@ -191,7 +192,8 @@ def run_doctor(url: str | None, timeout: float, *, driver: CudaDriver | None = N
             except Exception as exc:  # the doctor must report, not crash
                 rows.append(("SHM round trip", f"check failed unexpectedly: {exc!r}", False))
     rows.extend(recommend(box, engine_fraction))
-    rows.extend(_l2_checks(url, peer, server_logs, timeout, l2_wait, allow_remote))
+    rows.extend(_l2_checks(url, peer, server_logs, timeout, l2_wait, allow_remote,
+                           status_urls))
     return rows
 
 
@@ -201,8 +203,9 @@ SERVER_ROWS = ("server", "peer", "chunk size", "L2 probe")
 
 
 def _l2_checks(url: str | None, peer: str | None, server_logs: Sequence[str],
-               timeout: float, l2_wait: float, allow_remote: bool) -> list[Check]:
-    from .l2_doctor import compare_nodes, log_checks
+               timeout: float, l2_wait: float, allow_remote: bool,
+               status_urls: Sequence[str] = ()) -> list[Check]:
+    from .l2_doctor import compare_nodes, log_checks, status_checks
 
     rows: list[Check] = []
     try:
@@ -213,6 +216,7 @@ def _l2_checks(url: str | None, peer: str | None, server_logs: Sequence[str],
             else:
                 rows.extend(compare_nodes(url, peer, timeout, l2_wait,
                                           allow_remote=allow_remote))
+        rows.extend(status_checks(status_urls, timeout))
         rows.extend(log_checks(server_logs))
     except Exception as exc:  # the doctor must report, not crash
         rows.append(("L2", f"check failed unexpectedly: {exc!r}", False))
@@ -227,13 +231,15 @@ def format_report(rows: list[Check]) -> str:
 
 def main_doctor(url: str | None, timeout: float, engine_fraction: float = 0.9, *,
                 peer: str | None = None, server_logs: Sequence[str] = (),
-                l2_wait: float = 10.0, allow_remote: bool = False) -> int:
+                l2_wait: float = 10.0, allow_remote: bool = False,
+                status_urls: Sequence[str] = ()) -> int:
     """Print the report; 1 if a requested server check failed (the server, the peer,
     the L2 probe, an L2 adapter its log shows down), else 0 (a machine without CUDA is
     a valid client host for CPU caches)."""
     rows = run_doctor(url, timeout, engine_fraction=engine_fraction, peer=peer,
-                      server_logs=server_logs, l2_wait=l2_wait, allow_remote=allow_remote)
+                      server_logs=server_logs, l2_wait=l2_wait, allow_remote=allow_remote,
+                      status_urls=status_urls)
     print(format_report(rows))
-    failed = any(not ok and (name in SERVER_ROWS or name.startswith("L2 adapter"))
+    failed = any(not ok and (name in SERVER_ROWS or name.startswith(("L2 adapter", "nodes'")))
                  for name, _, ok in rows)
     return 1 if failed else 0

@@ -13,6 +13,12 @@ no status request, so the doctor uses what it can see:
   differently (``--hash-algorithm``) or key differently (another release's format).
   The probe's model name is the doctor's own: engines that disagree on the model
   name (or the KV layout) cannot be seen from here (docs/multinode.md).
+* **The servers' status replies** (:func:`status_checks`, ``--status URL``, repeatable):
+  where a server runs with LMCache's HTTP front (``python -m
+  lmcache.v1.multiprocess.http_server``), its ``GET /status``: health, chunk size, hash
+  algorithm and L2 adapters, compared across the nodes given (a hash algorithm that
+  differs is seen only here). An adapter's ``is_healthy`` says its threads run, not
+  that its backend answers: 0.5.7rc2's ``resp`` reports healthy with no Valkey at all.
 * **The server's log** (:func:`scan_server_log`, ``--server-log FILE``): the lines
   LMCache 0.5.6 / 0.5.7rc2 write when an L2 write fails (``Store task N to adapter I
   failed``), when the valkey adapter's commands fail or time out, and when an L2
@@ -24,9 +30,11 @@ no status request, so the doctor uses what it can see:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
+import urllib.request
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +43,8 @@ from pathlib import Path
 
 from ..errors import LMCacheMPError
 
-__all__ = ["AdapterLog", "LogReport", "scan_server_log", "log_checks", "compare_nodes"]
+__all__ = ["AdapterLog", "LogReport", "scan_server_log", "log_checks", "compare_nodes",
+           "status_checks"]
 
 Check = tuple[str, str, bool]
 
@@ -143,6 +152,42 @@ def log_checks(paths: Sequence[str]) -> list[Check]:
             rows.append(("L2 object sizes", f"{n} reads found objects of {got} bytes where "
                          f"this server's layout needs {want}: nodes with other KV shapes "
                          f"or dtypes write under the same keys (a miss, never read)", False))
+    return rows
+
+
+def status_checks(urls: Sequence[str], timeout: float) -> list[Check]:
+    """Each HTTP front's ``GET /status``, then what differs between them."""
+    rows: list[Check] = []
+    seen: dict[str, dict[str, object]] = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/status", timeout=timeout) as r:
+                status = json.loads(r.read())
+        except (OSError, ValueError) as exc:
+            rows.append((f"status {url}", f"no status reply: {exc}", False))
+            continue
+        storage = status.get("storage_manager") or {}
+        adapters = storage.get("l2_adapters") or []
+        kinds = ", ".join(f"{a.get('type')}{'' if a.get('is_healthy') else ' (UNHEALTHY)'}"
+                          for a in adapters) or "none"
+        facts = {"chunk size": status.get("chunk_size"),
+                 "hash algorithm": status.get("hash_algorithm"),
+                 "L2 adapters": sorted(str(a.get("type")) for a in adapters)}
+        seen[url] = facts
+        healthy = bool(status.get("is_healthy")) and all(a.get("is_healthy") for a in adapters)
+        rows.append((f"status {url}", f"{'healthy' if healthy else 'NOT healthy'}; chunk size "
+                     f"{facts['chunk size']}, hash {facts['hash algorithm']}, L2 adapters: "
+                     f"{kinds} (healthy means its threads run, not that its backend "
+                     f"answers)", healthy))
+    if len(seen) > 1:
+        for what in ("chunk size", "hash algorithm", "L2 adapters"):
+            values = {url: facts[what] for url, facts in seen.items()}
+            if len({json.dumps(v) for v in values.values()}) > 1:
+                rows.append((f"nodes' {what}", "DIFFERS: " + "; ".join(
+                    f"{u}: {v}" for u, v in values.items()), False))
+            else:
+                rows.append((f"nodes' {what}", f"{next(iter(values.values()))} on every node",
+                             True))
     return rows
 
 

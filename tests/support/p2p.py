@@ -52,12 +52,15 @@ class P2PNodes:
     """The coordinator and servers A and B (``a`` / ``b``: :class:`LiveServer` for
     their MP port; both transfer modes, an L1 pool in shared memory each)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *more_b: str) -> None:
+        """``more_b``: more server arguments for node B (a node that disagrees)."""
         env = p2p_env()
         python = str(oracle_python(RELEASE))
         self.dir = tempfile.mkdtemp(prefix=TMP_PREFIX)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.pools: list[str] = []
+        #: Each node's HTTP front (its /status, /config), by name.
+        self.http: dict[str, str] = {}
         try:
             coordinator = free_port()
             self._spawn("coordinator", [python, "-m", "lmcache.v1.mp_coordinator", "--host",
@@ -67,6 +70,7 @@ class P2PNodes:
                 port, http, p2p = free_port(), free_port(), free_port()
                 pool = f"p2p{name}{os.getpid()}"
                 self.pools.append(f"lmcache_l1_pool_{pool}")
+                self.http[name] = f"http://127.0.0.1:{http}"
                 self._spawn(name, [
                     python, "-m", "lmcache.v1.multiprocess.http_server", "--host", "127.0.0.1",
                     "--port", str(port), "--l1-size-gb", "1", "--eviction-policy", "LRU",
@@ -75,7 +79,8 @@ class P2PNodes:
                     "--http-port", str(http), "--p2p-advertise-url", f"127.0.0.1:{p2p}",
                     "--p2p-transfer-engine", "mooncake_te",
                     "--coordinator-url", f"http://127.0.0.1:{coordinator}",
-                    "--coordinator-advertise-ip", "127.0.0.1"], env)
+                    "--coordinator-advertise-ip", "127.0.0.1",
+                    *(more_b if name == "b" else ())], env)
                 servers.append((port, http))
             for (port, http), proc in zip(servers, self.procs[1:], strict=True):
                 self._wait_ready(port, http, proc)
@@ -120,6 +125,12 @@ class P2PNodes:
     def _tails(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
                          for p in sorted(Path(self.dir).glob("*.log")))
+
+    def __enter__(self) -> P2PNodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         for proc in reversed(self.procs):  # servers first, the coordinator last
