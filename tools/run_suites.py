@@ -105,7 +105,7 @@ def jobs_for(releases: list[str], tree_venv: str | None,
             "tests/integrations/vllm/test_vllm_live.py", "-k",
             "test_vllm_034 or physical_layout or tensor_parallel_two_ranks or mla_store "
             "or sleep"],
-            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_034_venv}, 150))
+            {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_034_venv}, 190))
     return sorted(jobs, key=lambda j: -j.expected_s)
 
 
