@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         for port in ports:
             subprocess.run([str(SERVER), "stop", "--port", str(port)], capture_output=True)
         valkey.close()
+        shutil.rmtree(work, ignore_errors=True)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "multinode_ttft.json").write_text(json.dumps(report, indent=1))
@@ -163,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
                      f"{e['all_hit'] if c != 'none' else '-'} |")
     (out / "multinode_ttft.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
