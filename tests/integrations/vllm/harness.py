@@ -741,10 +741,11 @@ def main(spec_path: str) -> None:
     engine (``on_step`` runs a command after step N of the phase, ``on_retrieve`` when a
     step first orders a RETRIEVE, before the workers run: e.g. to stop the server
     between lookup and load; ``on_retrieve_of``: ``{id: [argv...]}`` commands run when a
-    step first orders that request's RETRIEVE, with ``then_wait_unhealthy`` until the
-    workers see the server gone; ``later``: ``{"N": [request...]}`` added after step N;
-    ``sleep_wake``: ``Engine.sleep(reset_connector)`` (``reset_connector``, true by
-    default as in vLLM) then ``Engine.wake`` after the phase). More engine keys:
+    step first orders that request's RETRIEVE, with ``then_wait`` until the workers see
+    the server gone (``unhealthy``) or back (``usable``); ``later``: ``{"N":
+    [request...]}`` added after step N; ``sleep_wake``:
+    ``Engine.sleep(reset_connector)`` (``reset_connector``, true by default as in vLLM)
+    then ``Engine.wake`` after the phase). More engine keys:
     ``kv_heads``, ``head_dim``, ``warmup_blocks`` (the extensible cache's warm-up
     commit), ``failure_policy`` (vLLM's ``kv_load_failure_policy``), ``observe`` (KV
     events, stats and async load admission on, recorded: ``Engine.observed``),
@@ -798,7 +799,7 @@ def main(spec_path: str) -> None:
                 eng.on_retrieve = lambda argv=argv: subprocess.run(argv, check=True)
             for rid, argvs in phase.get("on_retrieve_of", {}).items():
                 eng.on_retrieve_of[rid] = functools.partial(
-                    _run_then_wait, eng, argvs, phase.get("then_wait_unhealthy", False))
+                    _run_then_wait, eng, rid, argvs, phase.get("then_wait", ""))
 
             def on_step(n: int, hooks: dict[int, list[str]] = hooks,
                         later: dict[int, list[dict[str, Any]]] = later) -> None:
@@ -824,7 +825,7 @@ def main(spec_path: str) -> None:
         out["requests"] = {rid: vars(r) for rid, r in eng.results.items()}
         out["preemptions"] = sum(getattr(r, "num_preemptions", 0)
                                  for r in eng.finished_requests)
-        if eng.observe:
+        if eng.observe or eng.observed.get("running_at_hook"):
             out["observed"] = eng.observed
         if which is OURS:
             stats: dict[str, int] = {}
@@ -853,19 +854,23 @@ def _refuse_registrations() -> None:
     Client.register = refused  # type: ignore[method-assign]
 
 
-def _run_then_wait(eng: Engine, argvs: list[list[str]], wait_unhealthy: bool) -> None:
-    """The commands ``argvs`` (e.g. stopping the server, or restarting it empty); then,
-    with ``wait_unhealthy``, until every worker's client has seen the server's
-    heartbeats stop (at most 30 s): a RETRIEVE ordered now then fails at once instead
-    of at its deadline."""
+def _run_then_wait(eng: Engine, rid: str, argvs: list[list[str]], wait: str) -> None:
+    """When ``rid``'s RETRIEVE is ordered: the commands ``argvs`` (e.g. stopping the
+    server, or restarting it empty), then until every worker's client sees the server
+    gone (``wait="unhealthy"``: a RETRIEVE ordered now fails at once instead of at its
+    deadline) or usable again (``"usable"``), at most 30 s. The requests running then
+    are recorded (``running_at_hook``)."""
     import subprocess
     import time
 
+    eng.observed.setdefault("running_at_hook", {})[rid] = sorted(
+        r.request_id for r in eng.scheduler.running)
     for argv in argvs:
         subprocess.run(argv, check=True)
     limit = time.monotonic() + 30
-    while wait_unhealthy and time.monotonic() < limit and any(
-            w.worker.client.healthy for w in eng.workers):
+    while wait and time.monotonic() < limit and not all(
+            (w.worker.client.healthy if wait == "usable" else not w.worker.client.healthy)
+            for w in eng.workers):
         time.sleep(0.05)
 
 

@@ -200,19 +200,21 @@ def test_a_failed_load_touches_only_the_blocks_it_was_to_write(
     try:
         p = tokens(348, 3 * CHUNK + 40)
         run_engine(tmp_path, "ours", [s.url], [{"requests": [req("s", p)]}])
-        b = {**req("b", p[:300] + tokens(349, 20)), "max_tokens": 200}
+        b = {**req("b", p[:300] + tokens(349, 20)), "max_tokens": 300}
         stop = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
         r = run_engine(tmp_path, "ours", [s.url], [{
             "requests": [b], "later": {"3": [req("a", p)]},
-            "on_retrieve_of": {"a": [stop]}, "then_wait_unhealthy": True}],
+            "on_retrieve_of": {"a": [stop]}, "then_wait": "unhealthy"}],
             extra={"lmcache.mp.heartbeat_interval": 0.5, "lmcache.mp.health_interval": 0.5,
-                   "lmcache.mp.mq_timeout": 2, "lmcache.mp.transfer_timeout": 5},
+                   "lmcache.mp.mq_timeout": 2, "lmcache.mp.transfer_timeout": 5,
+                   "lmcache.mp.lookup_wait": 1.0},
             num_blocks=128, failure_policy=policy)
+        assert r["observed"]["running_at_hook"]["a"] == ["b"]  # B runs as A's load fails
         rb, ra = r["requests"]["b"], r["requests"]["a"]
         assert r["stats"]["load_errors"] == 1  # A's; B's own load (256 tokens) succeeded
         assert loaded(r, "b") == CHUNK
         assert rb["rewound"] == 0, "B lost computed tokens to A's failed load"
-        assert rb["status"] == "FINISHED_LENGTH_CAPPED" and rb["output_tokens"] == 200
+        assert rb["status"] == "FINISHED_LENGTH_CAPPED" and rb["output_tokens"] == 300
         if policy == "recompute":  # A: its own 288 tokens kept, the rest computed
             assert loaded(r, "a") == 288 and ra["status"] == "FINISHED_LENGTH_CAPPED"
         else:
@@ -349,8 +351,11 @@ def test_the_chunks_of_a_failed_load_are_stored_again_by_the_request(tmp_path: P
                  str(s.port), "--", *s.args]
         r = run_engine(tmp_path, "ours", [s.url], [{
             "requests": [{**req("b", p[:300] + tokens(357, 20)), "max_tokens": 40}],
-            "later": {"3": [req("a", p)]}, "on_retrieve_of": {"a": [stop, start]}}],
-            extra={"lmcache.mp.transfer_timeout": 10}, num_blocks=128)
+            "later": {"3": [req("a", p)]}, "on_retrieve_of": {"a": [stop, start]},
+            "then_wait": "usable"}],
+            extra={"lmcache.mp.transfer_timeout": 10, "lmcache.mp.heartbeat_interval": 0.5,
+                   "lmcache.mp.health_interval": 0.5, "lmcache.mp.lookup_wait": 1.0},
+            num_blocks=128)
         assert r["stats"]["load_errors"] == 1 and loaded(r, "a") == 288
         again = run_engine(tmp_path, "ours", [s.url], [
             {"requests": [req("c", p[:300])]}, {"requests": [req("d", p)]}])
