@@ -64,11 +64,18 @@ from tests.integrations.vllm.engines import VENV as VLLM_VENV  # noqa: E402
 from tests.integrations.vllm.engines import engine_env as tests_engine_env  # noqa: E402
 from tests.integrations.vllm.engines import lmcache_engine_command  # noqa: E402
 
+sys.path.insert(0, str(REPO / "benchmarks"))
+import ttft_phases  # noqa: E402
+
 REAL_ENGINE = REPO / "tests" / "integrations" / "vllm" / "real_engine.py"
 TINY_MODEL = REPO / "tests" / "integrations" / "vllm" / "tiny_model.py"
 SERVER = REPO / "scripts" / "lmcache-server.sh"
 HOOKTIME = REPO / "benchmarks" / "hooktime"  # sitecustomize: per-hook CPU (see there)
 ORACLE = Path(os.environ.get("LMCACHE_MP_ORACLE_DIR", REPO / ".oracle"))
+#: A sampling profiler to run every engine under (--py-spy: py-spy's path): its
+#: collapsed stacks of every process of the engine land in the engine's hook folder as
+#: pyspy.txt (benchmarks/profile_stacks.py reads them). Empty: none.
+PROFILER: list[str] = []
 #: Where the engines import lmcache_mp from (--source: another checkout, for a before /
 #: after comparison of the connector; the harness code still comes from this one).
 SOURCE = [REPO]
@@ -88,6 +95,7 @@ def engine_env(hook_dir: Path | None = None) -> dict[str, str]:
     if hook_dir is not None:
         env["PYTHONPATH"] = f"{HOOKTIME}{os.pathsep}{env['PYTHONPATH']}"
         env["LMCACHE_MP_HOOK_TIMES"] = str(hook_dir)
+        env["LMCACHE_MP_HOOK_PHASES"] = "1"  # the timelines of ttft_phases.py
     return env
 
 
@@ -110,12 +118,21 @@ def read_hooks(hook_dir: Path) -> dict[str, Any]:
     return {"stats": stats, "meta": meta, "threads": threads}
 
 
-def engine_command(contender: str, spec: Path, release: str) -> list[str]:
+def engine_command(contender: str, spec: Path, release: str,
+                   hook_dir: Path | None = None) -> list[str]:
     vllm_python = VLLM_VENV / "bin" / "python"
     if contender != "lmcache":
-        return [str(vllm_python), str(REAL_ENGINE), str(spec)]
-    return lmcache_engine_command(ORACLE / f"venv-{release}" / "bin" / "python",
-                                  REAL_ENGINE) + [str(spec)]
+        command = [str(vllm_python), str(REAL_ENGINE), str(spec)]
+    else:
+        command = lmcache_engine_command(ORACLE / f"venv-{release}" / "bin" / "python",
+                                         REAL_ENGINE) + [str(spec)]
+    if PROFILER and hook_dir is not None:
+        # Every process of the engine (its spawned engine core and workers too), not
+        # pausing them to sample; raw: one line per stack, "frames count".
+        command = [*PROFILER, "record", "--rate", "250", "--format", "raw",
+                   "--subprocesses", "--nonblocking", "--full-filenames", "--output",
+                   str(hook_dir / "pyspy.txt"), "--", *command]
+    return command
 
 
 def run_engine(contender: str, spec: dict[str, Any], release: str, workdir: Path,
@@ -127,7 +144,8 @@ def run_engine(contender: str, spec: dict[str, Any], release: str, workdir: Path
     hook_dir = workdir / f"hooks-{name}"
     hook_dir.mkdir()
     try:
-        proc = subprocess.run(engine_command(contender, path, release), capture_output=True,
+        proc = subprocess.run(engine_command(contender, path, release, hook_dir),
+                              capture_output=True,
                               text=True, timeout=timeout, env=engine_env(hook_dir), cwd=REPO)
         rc, out, err = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
@@ -135,6 +153,8 @@ def run_engine(contender: str, spec: dict[str, Any], release: str, workdir: Path
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False}
     result["hooks"] = read_hooks(hook_dir)
+    result["hook_dir"] = str(hook_dir)
+    result["phases"] = ttft_phases.engine_phases(hook_dir, [r["tag"] for r in spec["rounds"]])
     if rc != 0 or not result.get("ok"):
         signal = f" (signal {-rc})" if rc is not None and rc < 0 else ""
         result["crash"] = {"rc": rc, "why": ("ran past the timeout" if rc is None
@@ -375,6 +395,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{fmt(cell['e2e']['cold'])} | {fmt(cell['e2e']['warm'])} | "
                 f"{'yes' if cell['tokens_identical'] else 'NO'} ({cell['checked']}) | "
                 f"{cell['max_logprob_gap']:.3g} | {cached} |")
+    lines += ttft_phases.markdown(report.get("phases") or {}, report.get("floors") or {},
+                                  lengths)
     lines += hooks_markdown(report.get("hook_costs") or {})
     crashes = {c: e["crash"] for c, e in t.items() if e.get("crash")}
     for contender, c in crashes.items():
@@ -431,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="one round of a 1024-token prompt (CI: it must keep running)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per engine (s)")
     ap.add_argument("--source", help="import lmcache_mp from this checkout (before / after)")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip the client-alone copy floor (ttft_phases.client_floor)")
     args = ap.parse_args(argv)
     if args.source:
         SOURCE[:] = [Path(args.source).resolve()]
@@ -467,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{group} tokens, {rounds} rounds + warm-up", flush=True)
                     res = run_engine(contender, spec, args.release, Path(tmp), args.timeout)
                     merged["rounds"] += res.get("rounds") or []
+                    merged.setdefault("phases", []).extend(res.get("phases") or [])
                     merged["spec_rounds"] += spec["rounds"][:len(res.get("rounds") or [])]
                     merged.setdefault("engines", []).append(
                         {"lengths": group, "hooks": res["hooks"],
@@ -479,15 +504,33 @@ def main(argv: list[str] | None = None) -> int:
                               f"{res['crash']['error']}", flush=True)
             if os.environ.get("LMCACHE_MP_HOOK_TRACE") == "1":  # timelines: keep them
                 shutil.copytree(tmp, out / "trace", dirs_exist_ok=True)
+        floors = {}
+        if not args.no_floor and any(c != "none" for c in contenders):
+            print(f"[{time.monotonic() - t_start:6.0f} s] the copy floor: lmcache_mp's "
+                  f"client alone", flush=True)
+            for length in lengths:
+                floors[length] = ttft_phases.client_floor(
+                    url, length, max(rounds, 3), num_layers=4, num_heads=2, head_dim=64,
+                    block_size=32)
     finally:
         subprocess.run([str(SERVER), "stop", "--port", str(port)], capture_output=True)
     table = collect(results, lengths)
+    for length in lengths:
+        fl = floors.setdefault(length, {})
+        fl["memcpy_ms"] = length * KV_BYTES_PER_TOKEN / (gbps * 1e9) * 1e3
+        none = table.get("none", {}).get("lengths", {}).get(length)
+        if none and none["decode_step"]:
+            fl["decode_ms"] = none["decode_step"]["median"] * 1e3
+    phases = {c: {n: ttft_phases.summarize(r.get("phases") or [], n) for n in lengths}
+              for c, r in results.items() if c != "none"}
     report = {"release": args.release, "source": str(SOURCE[0]), "rounds": rounds, "lengths": lengths,
               "memcpy_gbps": gbps, "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
               "max_tokens": MAX_TOKENS, "when": time.strftime("%Y-%m-%d %H:%M UTC",
                                                               time.gmtime()),
               "vllm": next((r.get("vllm") for r in results.values() if r.get("vllm")), None),
               "wall_s": round(time.monotonic() - t_start, 1), "table": table,
+              "phases": phases, "floors": floors,
+              "load_average": os.getloadavg(),
               "hook_costs": {c: hook_costs(r.get("engines") or []) for c, r in results.items()
                              if c != "none"}}
     (out / "vllm_e2e.json").write_text(json.dumps(report, indent=1))

@@ -40,12 +40,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import profile_stacks  # noqa: E402
 import vllm_e2e as e2e  # noqa: E402  (puts the repository on sys.path)
 
 from tests.conftest import free_port  # noqa: E402
 from tests.integrations.vllm.engines import VENV as VLLM_VENV  # noqa: E402
 
 WORKLOADS = ("short", "partial", "decode", "preempt")
+PROFILE_RATE = 250.0  # py-spy's samples per second (vllm_e2e.engine_command)
 
 
 def _p(seed: int, n: int, salt: str | None) -> dict[str, Any]:
@@ -167,6 +169,8 @@ def markdown(report: dict[str, Any]) -> str:
             lines += ["", "vLLM counters: " + "; ".join(
                 f"{c}: " + ", ".join(f"{k.split(':')[1]} {v}" for k, v in sorted(v.items()))
                 for c, v in extra.items() if v)]
+            lines += profile_stacks.markdown(
+                {c: r.get("profile") for c, r in per.items() if c != "none"}, w)
     return "\n".join(lines) + "\n"
 
 
@@ -179,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="smaller workloads (CI)")
     ap.add_argument("--timeout", type=float, default=900.0, help="per engine (s)")
     ap.add_argument("--source", help="import lmcache_mp from this checkout (before / after)")
+    ap.add_argument("--py-spy", metavar="PATH",
+                    help="run every engine under this py-spy: where each connector's CPU "
+                         "goes (benchmarks/profile_stacks.py; slows the engines a little)")
     args = ap.parse_args(argv)
+    if args.py_spy:
+        e2e.PROFILER[:] = [args.py_spy]
     if args.source:
         e2e.SOURCE[:] = [Path(args.source).resolve()]
     workloads = [w for w in args.workloads.split(",") if w]
@@ -218,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                     if c != "none":
                         per[c]["costs"] = e2e.hook_costs([{"hooks": res["hooks"],
                                                           "generate_s": gen}])
+                        stacks = Path(res["hook_dir"]) / "pyspy.txt"
+                        if e2e.PROFILER and stacks.exists():
+                            per[c]["profile"] = profile_stacks.summarize(
+                                stacks, PROFILE_RATE, per[c]["costs"]["steps"])
                     per[c]["raw"] = res
                 for c in per:
                     per[c]["tokens"] = compare(per.get("none", {}).get("raw"), per[c]["raw"])
