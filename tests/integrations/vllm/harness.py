@@ -858,8 +858,9 @@ def _run_then_wait(eng: Engine, rid: str, argvs: list[list[str]], wait: str) -> 
     """When ``rid``'s RETRIEVE is ordered: the commands ``argvs`` (e.g. stopping the
     server, or restarting it empty), then until every worker's client sees the server
     gone (``wait="unhealthy"``: a RETRIEVE ordered now fails at once instead of at its
-    deadline) or usable again (``"usable"``), at most 30 s. The requests running then
-    are recorded (``running_at_hook``)."""
+    deadline) or usable again, to the workers and to the scheduler side's health
+    probes, which order no STORE while a server looks down (``"usable"``), at most
+    30 s. The requests running then are recorded (``running_at_hook``)."""
     import subprocess
     import time
 
@@ -868,9 +869,10 @@ def _run_then_wait(eng: Engine, rid: str, argvs: list[list[str]], wait: str) -> 
     for argv in argvs:
         subprocess.run(argv, check=True)
     limit = time.monotonic() + 30
-    while wait and time.monotonic() < limit and not all(
-            (w.worker.client.healthy if wait == "usable" else not w.worker.client.healthy)
-            for w in eng.workers):
+    sched = eng.scheduler.connector.scheduler  # its health probes decide on stores
+    while wait and time.monotonic() < limit and not (
+            all(w.worker.client.healthy for w in eng.workers) and all(sched.healthy.values())
+            if wait == "usable" else not any(w.worker.client.healthy for w in eng.workers)):
         time.sleep(0.05)
 
 
