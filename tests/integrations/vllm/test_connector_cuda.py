@@ -93,9 +93,15 @@ def vllm_layers(drv: FakeDriver, layout: str = "LBHNC", kind: str = "malloc",
 def extensible_layers(drv: FakeDriver, layout: str, mla: bool = False) -> list[FakeTensor]:
     """vLLM 0.34's committed views of its extensible cache in ``layout``: one VMM
     reservation, each layer in its own segment (padded to the granule: layer-compact
-    layouts) or all in one (blocks-first), at the offsets vLLM computed."""
+    layouts) or all in one (blocks-first), at the offsets vLLM computed; the granules
+    vLLM committed are chunks created with no shareable handle type (the connector
+    declares IN_PROCESS), the others reserved only."""
     rec = EXTENSIBLE[(layout, mla)]
-    base = drv.add_alloc(rec["reservation_bytes"], "vmm")
+    g = rec["granule"]
+    granules = -(-rec["reservation_bytes"] // g)
+    used = {i for x in rec["layers"] for i in range(
+        x["offset_bytes"] // g, -(-(x["offset_bytes"] + x["storage_bytes"]) // g))}
+    base = drv.vmm_reservation([g] * granules, holes=set(range(granules)) - used)
     return [FakeTensor(base + x["offset_bytes"] + 2 * x["storage_offset"], tuple(x["shape"]),
                        "torch.float16", strides=tuple(x["stride"])) for x in rec["layers"]]
 
