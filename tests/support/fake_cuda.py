@@ -12,6 +12,11 @@ holds chunks (each one cuMemCreate allocation, with the handle types it was crea
 with) mapped side by side; cuMemGetAddressRange answers the chunk holding a pointer,
 never the reservation; cuMemRetainAllocationHandle the chunk's own handle; an address
 reserved but not mapped is unknown to the pointer queries and faults when copied.
+
+Streams, events and host waits follow CUDA's rules (fake_streams.py), and
+alloc_buffer / free_buffer follow torch's caching allocator: a block freed goes back
+to the pool of the stream it was allocated on with whatever is still queued on it,
+and the next allocation on that stream gets it (engine_temporary leaves such blocks).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -84,6 +90,15 @@ class FakeDriver:
         self.live_streams: set[int] = set()
         self.host_allocs: dict[int, np.ndarray] = {}  # cudaMallocHost: address -> bytes
         self.buffer_limit: int | None = None  # bytes alloc_buffer may hold (None: any)
+        # torch's caching allocator (alloc_buffer / free_buffer): the stream each block
+        # was allocated on, and per (stream, pool) the blocks freed and not handed out
+        # again, whatever work is still queued on them.
+        self.block_stream: dict[int, int] = {}
+        self.torch_cached: dict[tuple[int, bool], list[int]] = {}
+        #: torch's current stream outside :meth:`torch_stream` blocks (vLLM's: torch's
+        #: default stream, or the one it runs its forward pass on).
+        self.torch_current_stream = 0
+        self._torch_current = threading.local()
         self.slow_host_register = 0.0  # seconds a cudaHostRegister takes
         self.host_register_gate: threading.Event | None = None  # it waits for this
         self.ipc_supported = True  # False: Tegra (cudaIpcGetMemHandle unsupported)
@@ -518,12 +533,25 @@ class FakeDriver:
         self.calls.append(("torch_bytes", ptr, nbytes, device))
         return torch.from_numpy(self._memory(ptr, nbytes))
 
-    def torch_stream(self, stream: int, device: int) -> Any:
+    @contextmanager
+    def torch_stream(self, stream: int, device: int) -> Iterator[None]:
         """Torch operations of this thread inside the block are queued on ``stream``
-        (on CUDA: torch.cuda.stream over that handle). The fake runs them at once, on
-        CPU tensors, after what they are ordered after, and checks the memory they
-        touch against other streams' unfinished work."""
-        return torch_on_stream(self.streams, stream)
+        (on CUDA: torch.cuda.stream over that handle), and torch allocates for that
+        stream (:meth:`alloc_buffer`). The fake runs them at once, on CPU tensors,
+        after what they are ordered after, and checks the memory they touch against
+        other streams' unfinished work."""
+        outer = getattr(self._torch_current, "stream", None)
+        self._torch_current.stream = stream
+        try:
+            with torch_on_stream(self.streams, stream):
+                yield
+        finally:
+            self._torch_current.stream = outer
+
+    def current_torch_stream(self) -> int:
+        """torch.cuda.current_stream() of this thread."""
+        current = getattr(self._torch_current, "stream", None)
+        return self.torch_current_stream if current is None else current
 
     def memcpy(self, dst: int, src: int, nbytes: int) -> None:
         """cudaMemcpy: queued on the legacy default stream, and the host waits for it."""
@@ -539,9 +567,33 @@ class FakeDriver:
 
     # -- what the gather path allocates: staging through torch's caching allocator
     # (alloc_buffer), its pinned index buffer (malloc_host); counted by live_*.
+    #
+    # torch's caching allocator (c10/cuda/CUDACachingAllocator.cpp; "CUDA semantics"
+    # in torch's notes): a block belongs to the stream current when it was allocated;
+    # a tensor dropped gives its block back to that stream's pool at once, with no
+    # event (unless Tensor.record_stream named other streams), and the next
+    # allocation on that stream may get it while work queued there earlier still
+    # reads or writes it: safe for work queued later on that same stream only.
+    # Blocks of 1 MiB or less come from the small pool, larger ones from the large
+    # pool; the smallest free block that fits is handed out, whole (torch would split
+    # off the rest: the memory handed out, and what is queued on it, is the same).
+    SMALL_BLOCK = 1 << 20
+
     def alloc_buffer(self, nbytes: int, device: int) -> int:
-        """torch.empty(nbytes, uint8) on the device: device memory, refused (as torch
-        raises OutOfMemoryError) beyond :attr:`buffer_limit` bytes held at once."""
+        """torch.empty(nbytes, uint8) on the device, on torch's current stream: a
+        block of that stream's cache first (whatever is still queued on it), else
+        fresh memory, refused (as torch raises OutOfMemoryError) beyond
+        :attr:`buffer_limit` bytes held at once."""
+        stream = self.current_torch_stream()
+        pool = self.torch_cached.get((stream, nbytes <= self.SMALL_BLOCK), [])
+        fits = [b for b in pool if self.allocs[b][0] >= nbytes and self.allocs[b][1] == device]
+        if fits:
+            base = min(fits, key=lambda b: self.allocs[b][0])
+            pool.remove(base)
+            self.freed.remove(base)
+            self.calls.append(("alloc_buffer", nbytes, device))
+            self.calls.append(("alloc_buffer_cached", base, stream))
+            return base
         held = sum(self.allocs[b][0] for b in self.live_device_allocations()
                    if self.allocs[b][2] == "torch")
         if self.buffer_limit is not None and held + nbytes > self.buffer_limit:
@@ -549,16 +601,41 @@ class FakeDriver:
             raise CudaError(f"torch.empty({nbytes}) on cuda:{device}: CUDA out of memory",
                             call="torch.empty", code=2)
         ptr = self.add_alloc(nbytes, "torch", device)
+        self.block_stream[ptr] = stream
         self.calls.append(("alloc_buffer", nbytes, device))
         return ptr
 
     def free_buffer(self, ptr: int) -> None:
-        """The tensor dropped: torch's allocator may hand the block out again at once,
-        so unfinished work on it is a race (the gather path frees after its syncs)."""
-        assert self.allocs[ptr][2] == "torch"
-        self.host_access("free of a staging buffer", self._memory(ptr, self.allocs[ptr][0]),
-                         write=True)
+        """The tensor dropped: its block goes back to the cache of the stream it was
+        allocated on, for the next allocation there at once; unfinished work of
+        another stream on it not ordered before that stream's is a race."""
+        size, _, kind = self.allocs[ptr]
+        assert kind == "torch"
+        stream = self.block_stream[ptr]
+        mem = self._memory(ptr, size)
+        at = int(mem.ctypes.data)
+        self.streams.check_reuse(f"the reuse of a torch block freed on stream {stream:#x}",
+                                 [(at, at + size)], stream)
         self.free(ptr)
+        self.torch_cached.setdefault((stream, size <= self.SMALL_BLOCK), []).append(ptr)
+
+    def engine_temporary(self, nbytes: int, stream: int, device: int = 0) -> int:
+        """What an engine leaves in torch's cache many times a step: a tensor allocated
+        on ``stream``, a kernel queued there writing all of it (not complete: it runs
+        when something ordered after it runs, or the host waits), then the tensor
+        dropped. Its block is the next allocation of that size on ``stream``."""
+        ptr = self.add_alloc(nbytes, "torch", device)  # fresh: not another temporary's
+        self.block_stream[ptr] = stream
+        mem = self._memory(ptr, nbytes)
+        at = int(mem.ctypes.data)
+
+        def kernel() -> None:
+            mem[:] = 0xEE
+
+        self.streams.enqueue("the engine's kernel on a temporary", stream, [],
+                             [(at, at + nbytes)], kernel)
+        self.free_buffer(ptr)
+        return ptr
 
     def malloc_host(self, nbytes: int) -> int:
         """cudaMallocHost: page-locked host memory."""

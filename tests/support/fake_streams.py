@@ -101,6 +101,9 @@ class StreamModel:
         self.blocking: set[int] = set()
         #: Every operation issued: (name, stream), for tests that count launches.
         self.issued: list[tuple[str, int]] = []
+        #: Every operation issued, with its stream position and what it is ordered
+        #: after (:meth:`ordered_after`), for tests that read the order off the clocks.
+        self.history: list[Op] = []
 
     # ------------------------------------------------------------ clocks
     def _stream_clock(self, stream: int) -> dict[int, int]:
@@ -148,6 +151,7 @@ class StreamModel:
                     _join(self._stream_clock(b), {LEGACY_STREAM: seq})
             op = Op(name, stream, seq, after, reads, writes, run)
             self.issued.append((name, stream))
+            self.history.append(op)
             result = None
             if now is not None:
                 self._run_through(after)
@@ -196,6 +200,27 @@ class StreamModel:
             self._complete(dict(captured))
 
     # ------------------------------------------------------------ checks
+    @staticmethod
+    def ordered_after(later: Op, earlier: Op) -> bool:
+        """Whether ``later`` cannot start before ``earlier`` completed (same stream,
+        issued after it, or after it through events / the legacy stream)."""
+        if later.stream == earlier.stream:
+            return later.seq > earlier.seq
+        return later.after.get(earlier.stream, 0) >= earlier.seq
+
+    def check_reuse(self, what: str, ranges: Sequence[Range], stream: int) -> None:
+        """Memory given back to torch's caching allocator, which hands it out again
+        at once for work on ``stream`` (the stream it was allocated on; no event): any
+        unfinished work of another stream on it, not ordered before what ``stream``
+        holds now, is a race (c10's use-after-free that record_stream prevents)."""
+        ranges = merged(ranges)
+        with self.lock:
+            clock = self._issue_clock(stream)
+            for p in self.pending:
+                if p.stream != stream and not self._ordered_before(p, clock) \
+                        and _overlap(ranges, p.reads + p.writes):
+                    self._race(what, p)
+
     def host_access(self, what: str, ranges: Sequence[Range], write: bool) -> None:
         """The host reads (or writes) ``ranges`` now: any unfinished device work that
         writes them (or reads them, for a write) is a race."""
