@@ -53,7 +53,7 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Nodes]:
 def lookup_bound(tier: Tier) -> float:
     """How long node B's lookup may take while the tier does not answer: the valkey
     adapter's deadline (plus a busy machine's slack); resp answers at once."""
-    return (GLIDE_TIMEOUT if tier.adapter["type"] == "valkey" else 0.0) + 3.0
+    return (GLIDE_TIMEOUT if tier.adapter["type"] == "valkey" else 0.0) + 5.0
 
 
 @dataclass
@@ -144,14 +144,14 @@ def test_tier_killed_stopped_and_restarted_under_traffic(pair: Nodes) -> None:
         # After the restart: the valkey adapter reconnects by itself; resp does not.
         hits = traffic.hits
         if kind == "valkey":
-            wait_until("hits again after the restart", lambda: traffic.hits >= hits + 2)
+            wait_until("hits again after the restart", lambda: traffic.hits >= hits + 2, 60)
         else:
             time.sleep(3)
             misses = traffic.misses
             wait_until("more lookups", lambda: traffic.misses >= misses + 2)
     assert not traffic.errors, traffic.errors
     assert traffic.slowest_lookup <= lookup_bound(tier), traffic.slowest_lookup
-    assert traffic.slowest_store <= 3.0, traffic.slowest_store
+    assert traffic.slowest_store <= 10.0, traffic.slowest_store  # L1 only: no tier wait
     if kind == "resp":
         # Pinned as measured (0.5.6, 0.5.7rc2): no reconnection, nothing written since.
         assert traffic.hits == hits, "resp reconnected after Valkey restarted"

@@ -44,7 +44,7 @@ ACROSS = prompts(3603)
 STALLED = prompts(3604, 3605)
 SETS = {"main": (MAIN, 8), "across": (ACROSS, 8), "stalled": (STALLED, 8)}
 #: The valkey adapter's deadline per Valkey command in the stall test (its default: 5 s).
-GLIDE_TIMEOUT = 10.0
+GLIDE_TIMEOUT = 20.0
 
 
 #: The engines of the module (test_real_engine's fixture: one fork server of engines).
@@ -115,7 +115,7 @@ def test_lmcaches_connector_on_b_and_ours_on_a(
 def test_a_stalled_tier_costs_a_request_the_l2_wait_not_the_adapters(
         engines: Engines, reference: dict[str, Any]) -> None:
     """The node's Valkey stopped (SIGSTOP): the valkey adapter holds each lookup for its
-    request_timeout (10 s here); the connector gives it up after l2_load_timeout (1 s)
+    request_timeout (20 s here); the connector gives it up after l2_load_timeout (1 s)
     and computes: tokens as without a connector, the round well within the adapter's
     stall, the give-ups counted in vLLM's metrics (what an operator sees)."""
     require_l2_release()
@@ -139,6 +139,6 @@ def test_a_stalled_tier_costs_a_request_the_l2_wait_not_the_adapters(
     same_output(r["rounds"][0]["outputs"], reference["cold"]["stalled"],
                 max(reference["tolerance"], SCHEDULE_DRIFT))
     took = r["rounds"][0]["generate_s"]
-    assert took < GLIDE_TIMEOUT - 2, f"the round took {took:.1f} s: the adapter's stall"
+    assert took < GLIDE_TIMEOUT - 5, f"the round took {took:.1f} s: the adapter's stall"
     assert client_metrics(r)["lookups_given_up"] >= 2, client_metrics(r)
     print(f"stalled tier: the round took {took:.2f} s (adapter's stall {GLIDE_TIMEOUT} s)")
