@@ -405,6 +405,94 @@ def test_near_the_limit_staging_is_retried_smaller(name: str, monkeypatch: pytes
     assert back_got == back_want and not drv2.races
 
 
+#: gather.STAGING_RETRY_S (read so, the tests fail on the code before it for the reason
+#: they check, not a missing name).
+RETRY_S = getattr(gather, "STAGING_RETRY_S", 60.0)
+
+
+class Clock:
+    """gather's clock, moved by hand (the retry of refused staging sizes)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def store_again(cache: CudaKVCache, g: KVGeometry, ids: np.ndarray, order: list[int]
+                ) -> bytes:
+    pool, slots, buf = pool_and_slots(g, len(order))
+    copy_into_slots(cache, ids, slots, order, pool, CHUNK, stream=STREAM)  # type: ignore[arg-type]
+    staging.unpin(pool.view)  # as the pool's unmapping does
+    return buf.tobytes()
+
+
+def test_capped_staging_is_asked_again_after_the_retry_time(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A moment of memory pressure does not cap staging for the cache's life: within
+    STAGING_RETRY_S nothing is asked again; after it, once more (larger only: while the
+    device still refuses, the buffer held is kept, no smaller one and no plan); once the
+    memory is back, staging of 4 objects, said in the log and copy_path. Before the fix
+    (265a737) the refused size was never asked again: one object for good."""
+    clock = Clock()
+    monkeypatch.setattr(gather, "_clock", clock, raising=False)
+    g = GEOMETRIES["hnd"]
+    g = KVGeometry(g.num_layers, 3 * g.num_blocks, g.block_size, g.num_heads, g.head_dim,
+                   g.dtype, g.mla, g.layout, g.fused, g.block_stride)
+    ids = block_ids(g, 4, seed=17)
+    order = [3, 1, 0, 2]
+    want, _, _ = run_store(g, "plan", ids, order, monkeypatch)
+    obj = int(np.prod(object_shape(g))) * g.itemsize
+    got, drv, cache = run_store(g, "gather", ids, order, monkeypatch, limit=obj + 4096)
+    copier = cache.gather_copier()
+    assert copier is not None and copier.staging_bytes == obj and got == want
+
+    def refused() -> list[int]:
+        return [c[1] // obj for c in drv.calls if c[0] == "alloc_buffer_refused"]
+
+    assert refused() == [4, 2]
+    clock.now += RETRY_S - 1  # not yet
+    assert store_again(cache, g, ids, order) == want and refused() == [4, 2]
+    clock.now += 1  # due, the device still full: 4 and 2 refused, the one object kept
+    assert store_again(cache, g, ids, order) == want and refused() == [4, 2, 4, 2]
+    assert copier.staging_bytes == obj and cache.copy_path.startswith("gather")
+    drv.buffer_limit = None  # the engine's peak has passed
+    assert store_again(cache, g, ids, order) == want and refused() == [4, 2, 4, 2]
+    clock.now += RETRY_S
+    with caplog.at_level("INFO", logger="lmcache_mp"):
+        assert store_again(cache, g, ids, order) == want
+    assert copier.staging_bytes == 4 * obj and refused() == [4, 2, 4, 2]
+    assert "staging 4 chunk objects" in cache.copy_path, cache.copy_path
+    assert "holds 4 chunk objects again" in caplog.text
+    assert not drv.races
+
+
+def test_the_plan_after_no_staging_is_left_when_the_memory_is_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not one chunk object of staging fitted (the plan moved the transfer): after
+    STAGING_RETRY_S the gather path is tried again and kept once it fits. Before the
+    fix (265a737) the plan was used for the cache's life."""
+    clock = Clock()
+    monkeypatch.setattr(gather, "_clock", clock, raising=False)
+    monkeypatch.setattr(staging, "_staging_warned", [])
+    g = GEOMETRIES["nhd"]
+    ids = block_ids(g, 2, seed=18)
+    want, _, _ = run_store(g, "plan", ids, [1, 0], monkeypatch)
+    obj = int(np.prod(object_shape(g))) * g.itemsize
+    got, drv, cache = run_store(g, "gather", ids, [1, 0], monkeypatch, limit=obj - 1)
+    assert got == want and cache.copy_path.startswith("plan: cannot allocate")
+    drv.buffer_limit = None
+    assert store_again(cache, g, ids, [1, 0]) == want
+    assert cache.copy_path.startswith("plan: ")  # not asked again yet
+    clock.now += RETRY_S
+    dmas = len(chunk_dmas(drv))
+    assert store_again(cache, g, ids, [1, 0]) == want
+    assert cache.copy_path.startswith("gather"), cache.copy_path
+    assert len(chunk_dmas(drv)) - dmas == 2  # one DMA per chunk object again
+    assert not drv.races
+
+
 # ------------------------------------------------------------------ GPU
 def _real_driver() -> Any:
     """cuda-python's driver and torch with CUDA, or skip saying why."""

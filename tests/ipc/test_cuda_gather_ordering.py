@@ -23,11 +23,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from lmcache_mp import CacheKey, Client
 from lmcache_mp.errors import LMCacheMPError
 from lmcache_mp.ipc.base import KVGeometry
 from lmcache_mp.ipc.cuda import CudaError, CudaKVCache, gather, staging
 from lmcache_mp.session.engine_driven import copy_from_slots, copy_into_slots
 
+from ..conftest import LiveServer
 from ..support.fake_cuda import FakeDriver
 from .test_cuda_gather import (
     CHUNK,
@@ -303,3 +305,221 @@ def test_close_is_idempotent_and_a_closed_cache_refuses_transfers() -> None:
     with pytest.raises(LMCacheMPError, match="closed"):
         copy_into_slots(cache, ids, slots, [0, 1], pool, CHUNK, stream=STREAM_A)  # type: ignore[arg-type]
 
+
+
+# ------------------------------------------------- fresh memory from torch's cache
+CURRENT = 0xC0  # torch's current stream (vLLM's forward stream), not the transfer's
+
+
+def test_the_fake_allocator_is_no_kinder_than_torchs() -> None:
+    """torch's caching allocator as the fake models it: a block an engine tensor freed
+    on a stream (a kernel still queued on it) is the next allocation of that stream,
+    not another's; work of another stream on it unordered is a race; a block freed
+    with another stream's copy still on it is a race at the free (no record_stream)."""
+    drv = FakeDriver()
+    drv.torch_current_stream = CURRENT
+    freed = drv.engine_temporary(1 << 16, STREAM_A)
+    assert drv.alloc_buffer(1 << 16, 0) != freed  # torch's current stream: another pool
+    with drv.torch_stream(STREAM_A, 0):
+        again = drv.alloc_buffer(1 << 15, 0)  # smaller fits: the smallest free block
+    assert again == freed
+    host = drv.malloc_host(1 << 15)
+    with pytest.raises(AssertionError, match="race: cudaMemcpy2DAsync on stream 0xb0"):
+        drv.memcpy_2d_async(again, 1 << 15, host, 1 << 15, 1 << 15, 1, STREAM_B)
+    drv.memcpy_2d_async(again, 1 << 15, host, 1 << 15, 1 << 15, 1, STREAM_A)  # ordered
+    drv.stream_synchronize(STREAM_A)
+    drv.memcpy_2d_async(host, 1 << 15, again, 1 << 15, 1 << 15, 1, STREAM_B)
+    with pytest.raises(AssertionError, match="race: the reuse of a torch block"):
+        drv.free_buffer(again)
+    drv.run_queued()
+    drv.races.clear()
+
+
+@pytest.mark.parametrize("direction", ["store", "retrieve"])
+@pytest.mark.parametrize("freed_on, transfer_on", [
+    (CURRENT, CURRENT), (CURRENT, STREAM_A), (STREAM_A, STREAM_A)],
+    ids=["freed-on-current-transfer-on-current", "freed-on-current-transfer-on-other",
+         "freed-on-other-transfer-on-other"])
+def test_fresh_staging_from_torchs_cache_is_ordered_after_its_last_user(
+        direction: str, freed_on: int, transfer_on: int) -> None:
+    """The engine dropped temporaries on ``freed_on`` (torch's cache holds their blocks,
+    sized like the staging and block-id buffers, with the engine's kernels on them still
+    queued) just before the first transfer of a cache, on ``transfer_on``. torch hands a
+    block freed on a stream to the next allocation on that stream, safe only for work
+    queued there later: the staging must be allocated for the transfer's stream, and the
+    copy stream's first DMA into it (RETRIEVE) ordered after that stream's work. The bytes
+    equal the plan's and no access is unordered. Before the fix (265a737; 1470964 had
+    cudaMalloc staging, not torch's) the buffers came from torch's current stream: a
+    RETRIEVE's first DMA wrote a block the engine's kernel still wrote (current /
+    current), a transfer on another stream wrote blocks that kernel still wrote
+    (current / other), and a transfer on another stream got fresh memory instead of
+    its stream's block (other / other: no race there; with the buffers from the
+    transfer's stream, that case guards the RETRIEVE's opening hand-over)."""
+    g = bigger(GEOMETRIES["hnd"])
+    drv, cache, raws = fake_cache(g, seed=61)
+    drv.torch_current_stream = CURRENT
+    ids = block_ids(g, 4, seed=62)
+    obj = g.kv_planes * g.num_layers * CHUNK * g.hidden_dim * g.itemsize
+    # What the first transfer asks torch for: staging of 4 objects, 4096 bytes of ids.
+    drv.engine_temporary(4 * obj, freed_on)
+    drv.engine_temporary(4096, freed_on)
+    if direction == "store":
+        want = expected_store(g, raws, ids, [0, 1, 2, 3])
+        pool, slots, buf = pool_and_slots(g, 4)
+        copy_into_slots(cache, ids, slots, [0, 1, 2, 3], pool, CHUNK, stream=transfer_on)  # type: ignore[arg-type]
+        assert buf.tobytes() == want
+    else:
+        cache2, raws2 = plan_cache(g, [r.copy() for r in raws])
+        pool2, slots2, _ = pool_and_slots(g, 4, seed=63)
+        copy_from_slots(cache2, ids, slots2, pool2, CHUNK, 0, stream=1)  # type: ignore[arg-type]
+        pool, slots, _ = pool_and_slots(g, 4, seed=63)
+        copy_from_slots(cache, ids, slots, pool, CHUNK, 0, stream=transfer_on)  # type: ignore[arg-type]
+        assert [r.tobytes() for r in raws] == [r.tobytes() for r in raws2]
+    copier = cache.gather_copier()
+    assert copier is not None and copier.staging_bytes == 4 * obj
+    reused = [c[2] for c in drv.calls if c[0] == "alloc_buffer_cached"]
+    assert reused == ([transfer_on, transfer_on] if freed_on == transfer_on else []), \
+        "torch's cache served the buffers of the transfer's own stream only"
+    assert not drv.races
+    # Nothing of the transfer's is left running (the engine's kernels on another
+    # stream may be: the transfer never waited for that stream).
+    assert all(op.stream == freed_on != transfer_on for op in drv.streams.unfinished())
+
+
+# ----------------------------------------------------------------- overlap
+def four_rounds(direction: str, monkeypatch: pytest.MonkeyPatch, seed: int
+                ) -> tuple[FakeDriver, CudaKVCache, bool]:
+    """4 chunk objects through staging of 2 (two regions of one object: 4 rounds), the
+    layers in one allocation (one gather or scatter per round); whether the bytes equal
+    the plan's."""
+    g = bigger(GEOMETRIES["nhd"])
+    obj = g.kv_planes * g.num_layers * CHUNK * g.hidden_dim * g.itemsize
+    monkeypatch.setattr(gather, "STAGING_LIMIT_BYTES", 2 * obj)
+    drv, cache, raws = fake_cache(g, seed=seed, one_allocation=True)
+    ids = block_ids(g, 4, seed=seed + 1)
+    if direction == "store":
+        want = expected_store(g, raws, ids, [0, 1, 2, 3])
+        pool, slots, buf = pool_and_slots(g, 4)
+        copy_into_slots(cache, ids, slots, [0, 1, 2, 3], pool, CHUNK, stream=STREAM_A)  # type: ignore[arg-type]
+        return drv, cache, buf.tobytes() == want
+    cache2, raws2 = plan_cache(g, [r.copy() for r in raws])
+    pool2, slots2, _ = pool_and_slots(g, 4, seed=seed + 2)
+    copy_from_slots(cache2, ids, slots2, pool2, CHUNK, 0, stream=1)  # type: ignore[arg-type]
+    pool, slots, _ = pool_and_slots(g, 4, seed=seed + 2)
+    copy_from_slots(cache, ids, slots, pool, CHUNK, 0, stream=STREAM_A)  # type: ignore[arg-type]
+    return drv, cache, [r.tobytes() for r in raws] == [r.tobytes() for r in raws2]
+
+
+@pytest.mark.parametrize("direction", ["store", "retrieve"])
+def test_a_rounds_dma_overlaps_the_next_rounds_gpu_work(
+        direction: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read off the fake's vector clocks (what each operation is ordered after): round
+    r + 1's gather (STORE) is not ordered after round r's DMA, nor round r + 1's DMA
+    (RETRIEVE) after round r's scatter, so they may run together; a region is reused
+    only after round r - 2 is done with it, and each round's DMA and kernel are ordered
+    by their hand-over. Before the fix (265a737) a wait right after each round held the
+    next one too: every round after every DMA of the last (no overlap at all)."""
+    drv, cache, same = four_rounds(direction, monkeypatch, seed=71)
+    assert same and not drv.races
+    copier = cache.gather_copier()
+    assert copier is not None
+    history = drv.streams.history
+    kernels = [op for op in history if op.stream == STREAM_A and op.name.startswith("torch")]
+    dmas = [op for op in history if op.stream == copier._copy_stream]
+    assert len(kernels) == len(dmas) == 4
+    after = drv.streams.ordered_after
+    # (first of a round, second of it): STORE gathers then DMAs, RETRIEVE the reverse
+    first, second = (kernels, dmas) if direction == "store" else (dmas, kernels)
+    for r in range(4):
+        assert after(second[r], first[r]), f"round {r}: its hand-over"
+    for r in range(3):
+        assert not after(first[r + 1], second[r]), f"round {r + 1} waits for round {r}"
+    for r in range(2):
+        assert after(first[r + 2], second[r]), f"round {r + 2} reuses round {r}'s region"
+
+
+@pytest.mark.parametrize("direction", ["store", "retrieve"])
+def test_without_the_reuse_waits_a_region_is_overwritten_in_flight(
+        direction: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The waits that let round r + 2 reuse round r's region are needed: without them
+    round 2's gather (STORE) overwrites region 0 while round 0's DMA still reads it, or
+    round 2's DMA (RETRIEVE) while round 0's scatter still reads it: a race."""
+    monkeypatch.setattr(gather.GatherCopier, "_await_reuse", lambda *a: None, raising=False)
+    with pytest.raises(AssertionError, match="race"):
+        four_rounds(direction, monkeypatch, seed=81)
+
+
+# ----------------------------------------------------------- failed transfers
+def fail_second_kernel(monkeypatch: pytest.MonkeyPatch, direction: str) -> None:
+    """Round 2's gather (STORE) or scatter (RETRIEVE) raises as torch raises a CUDA
+    error (torch.AcceleratorError is a RuntimeError), after round 1 was queued."""
+    name = "_gather" if direction == "store" else "_scatter"
+    real = getattr(gather.GatherCopier, name)
+    calls = [0]
+
+    def kernel(self: Any, index: Any, staged: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        real(self, index, staged)
+
+    monkeypatch.setattr(gather.GatherCopier, name, kernel)
+
+
+@pytest.mark.parametrize("direction", ["store", "retrieve"])
+def test_a_failed_transfer_is_this_librarys_error_and_says_what_it_left(
+        direction: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch error midway (round 2's kernel) reaches the caller as a TransferFailed
+    (an LMCacheMPError: what the vLLM connector counts as a failed store or load,
+    where a bare RuntimeError went through it), after the host waited for round 1's
+    work, naming what the COMMIT then publishes (STORE: partly written slots).
+    Before the fix (265a737): a bare RuntimeError."""
+    g = bigger(GEOMETRIES["hnd"])
+    drv, cache, _ = fake_cache(g, seed=91)
+    ids = block_ids(g, 4, seed=92)
+    pool, slots, _ = pool_and_slots(g, 4, seed=93)
+    fail_second_kernel(monkeypatch, direction)
+    with pytest.raises(LMCacheMPError) as err:
+        if direction == "store":
+            copy_into_slots(cache, ids, slots, [0, 1, 2, 3], pool, CHUNK, stream=STREAM_A)  # type: ignore[arg-type]
+        else:
+            copy_from_slots(cache, ids, slots, pool, CHUNK, 0, stream=STREAM_A)  # type: ignore[arg-type]
+    assert isinstance(err.value, staging.TransferFailed), repr(err.value)
+    assert "illegal memory access" in str(err.value)
+    assert ("COMMIT_STORE" in str(err.value) and "partly written" in str(err.value)
+            if direction == "store" else "not loaded" in str(err.value))
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert not drv.streams.unfinished() and not drv.races
+
+
+@pytest.mark.live
+def test_a_failed_store_fails_and_the_server_publishes_what_it_reserved(
+        live_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real server, a fake GPU cache storing two chunks whose second round's gather
+    raises: Registration.store raises TransferFailed (the store failed, for the
+    caller), after the COMMIT_STORE that releases the reservation; and the server
+    then answers a LOOKUP of the key with both chunks: LMCache publishes reserved
+    slots at COMMIT_STORE whatever they hold (no abort in its protocol), what
+    docs/colocated.md says. Before the fix (265a737) a bare RuntimeError."""
+    fail_second_kernel(monkeypatch, "store")
+    drv = FakeDriver()
+    with Client(live_server.url, timeout=10.0) as client:
+        chunk = client.chunk_size()
+        g = GEOMETRIES["hnd"]
+        g = KVGeometry(g.num_layers, 2 * chunk // g.block_size + 2, g.block_size,
+                       g.num_heads, g.head_dim, g.dtype, False)
+        ptrs = [drv.add_alloc(g.layer_nbytes, "vmm") for _ in range(g.num_layers)]
+        cache = CudaKVCache.from_pointers(
+            ptrs, num_blocks=g.num_blocks, block_size=g.block_size, num_heads=g.num_heads,
+            head_dim=g.head_dim, dtype=g.dtype, driver=drv)
+        reg = client.register(cache, model_name=f"gpu-fail-{id(drv):x}", mode="engine")
+        try:
+            tokens = np.random.default_rng(94).integers(0, 2**31, 2 * chunk).tolist()
+            key = CacheKey(model_name=reg.model_name, world_size=1, worker_id=0,
+                           token_ids=tokens, start=0, end=2 * chunk, request_id="fail")
+            with pytest.raises(staging.TransferFailed, match="publishes them as they are"):
+                reg.store(key, list(range(1, 2 * chunk // g.block_size + 1)), stream=STREAM_A)
+            assert not drv.streams.unfinished()
+            assert reg.lookup(key) == 2 * chunk  # published, half of it never written
+        finally:
+            reg.unregister()

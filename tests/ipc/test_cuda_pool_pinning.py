@@ -171,3 +171,45 @@ def test_the_first_servers_pool_is_pinned_when_the_registration_binds_it() -> No
         assert not [c for c in drv.calls if c[0] in ("memcpy2d", "memcpy3d")]  # no copy yet
         maps.release(pool)
         assert not registered(drv)
+
+
+EXIT_SCRIPT = """
+import sys, threading, time
+import numpy as np
+sys.path.insert(0, {repo!r})
+from lmcache_mp.ipc.cuda import staging
+from tests.support.fake_cuda import FakeDriver
+
+inside = threading.Event()
+
+class SlowRegister(FakeDriver):
+    def host_register(self, ptr, nbytes):
+        print("register started", flush=True)
+        inside.set()
+        time.sleep(1.0)  # a large pool: cudaHostRegister takes its time
+        super().host_register(ptr, nbytes)
+        print("register finished", flush=True)
+
+drv = SlowRegister()
+pool = np.zeros(1 << 20, np.uint8)
+pin = staging.PoolPin(drv, 0, pool)
+assert inside.wait(60)  # the thread is inside cudaHostRegister
+print("exiting", flush=True)
+"""
+
+
+def test_the_interpreter_exit_waits_for_a_pinning_in_flight(tmp_path: object) -> None:
+    """A process that exits while a pool is being page-locked (its thread inside
+    cudaHostRegister) waits for it at exit (atexit, bounded by PIN_EXIT_WAIT_S) instead
+    of tearing CUDA down under it. Before the fix (265a737) the daemon thread was cut
+    off mid-call: "register finished" never printed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT.format(repo=repo)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == "register started exiting register finished".split(), \
+        out.stdout + out.stderr

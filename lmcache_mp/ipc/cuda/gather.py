@@ -27,9 +27,17 @@ Ordering (what makes it safe for any caller; CUDA Runtime API: stream semantics,
   streams are). Two staging regions alternate, so a round's DMAs overlap the next
   round's gather (STORE) or the previous round's scatter (RETRIEVE). Events order
   each hand-over: a region is DMA'd only after its gather (an event on the caller's
-  stream the copy stream waits for), gathered into again only after its last DMA (an
-  event on the copy stream the caller's stream waits for), and the reverse for
-  RETRIEVE.
+  stream the copy stream waits for), and the reverse for RETRIEVE. The wait before a
+  region is reused (its DMAs of round r - 2 done before round r gathers into it, or
+  its scatter before round r's DMA) is made at round r, not right after round r - 2:
+  ``cudaStreamWaitEvent`` holds *every* later operation of the waiting stream, so a
+  wait placed earlier would hold round r - 1 too, which uses the other region.
+* Staging and the device block ids are allocated for the caller's stream (inside
+  its torch stream): torch's caching allocator may hand back a block an engine tensor
+  freed on that stream with kernels still queued on it, safe only for work queued on
+  that stream later. The gathers and scatters are; a RETRIEVE's first DMA into
+  freshly allocated staging follows an event recorded on the caller's stream (a
+  STORE's first DMA already follows the first gather's).
 * One transfer at a time per cache holds the staging buffer and the pinned index
   buffer, and holds them until the host has waited for both streams
   (``cudaStreamSynchronize``, in a ``finally``: on an error path too). So transfers
@@ -45,7 +53,10 @@ holds free can serve it), sized for the transfer up to :data:`STAGING_LIMIT_BYTE
 and freed with the cache (its ``close()``, or a finalizer when the cache is dropped).
 Near the memory limit the allocation is retried smaller, down to one chunk object;
 only when one chunk object does not fit do transfers use the copy plan
-(:class:`StagingUnavailable`), and :attr:`GatherCopier.note` says what was chosen.
+(:class:`StagingUnavailable`), and :attr:`GatherCopier.note` says what was chosen. A
+refused size is asked again after :data:`STAGING_RETRY_S` (a moment of memory
+pressure does not cap a cache for its life; a refusal is costly for the engine, so
+not at every transfer), keeping the buffer held while the device still refuses.
 
 The gather and scatter are torch operations on tensors over raw device addresses
 (:meth:`GatherDriver.torch_bytes`), viewed as the widest integer type the layout
@@ -61,6 +72,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
@@ -72,7 +84,8 @@ from ..base import KVGeometry
 from .driver import CudaDriver, CudaError
 from .export import on_device
 
-__all__ = ["GatherDriver", "GatherCopier", "STAGING_LIMIT_BYTES", "StagingUnavailable",
+__all__ = ["GatherDriver", "GatherCopier", "STAGING_LIMIT_BYTES", "STAGING_RETRY_S",
+           "StagingUnavailable",
            "gather_unavailable", "block_views", "layer_stride"]
 
 log = logging.getLogger("lmcache_mp")
@@ -96,6 +109,12 @@ def _staging_limit() -> int:
 #: Most device memory one cache's staging buffer takes (``LMCACHE_MP_STAGING_MB``,
 #: default 256 MiB); at least one chunk object whatever this says.
 STAGING_LIMIT_BYTES = _staging_limit()
+
+#: Seconds before a staging size the device refused is asked for again (then every
+#: as long: each refusal makes torch free its cached blocks, a device-wide sync).
+STAGING_RETRY_S = 60.0
+
+_clock = time.monotonic  # for tests
 
 
 class GatherDriver(CudaDriver, Protocol):
@@ -221,6 +240,7 @@ class _Rounds:
     def __init__(self, n: int, capacity: int) -> None:
         self.per_round = max(1, min(n, capacity) // 2)
         self.regions = 2 if n > self.per_round and capacity >= 2 * self.per_round else 1
+        self.count = -(-n // self.per_round)  # rounds
 
     @property
     def overlap(self) -> bool:
@@ -282,6 +302,7 @@ class GatherCopier:
         # makes torch free its cache and retry: not on every transfer).
         self._ceiling: int | None = None  # most chunk objects to ask for
         self._unavailable: StagingUnavailable | None = None
+        self._retry_at: float | None = None  # when a refused size is asked again
         self._index_bytes = 0
         self._host_index = 0
         self._device_index = 0
@@ -307,49 +328,89 @@ class GatherCopier:
         """Device memory the staging buffer holds now."""
         return self._staging_bytes
 
-    def _reserve(self, want: int, obj: int) -> int:
+    def _reserve(self, want: int, obj: int) -> tuple[int, bool]:
         """A staging buffer of at least ``want`` chunk objects of ``obj`` bytes (within
-        the limit), else as many as the device gives, down to one: how many it holds.
-        Raises :class:`StagingUnavailable` before anything is queued if not one."""
-        if self._unavailable is not None:
-            raise self._unavailable
+        the limit), else as many as the device gives, down to one: (how many it holds,
+        whether it was allocated now). Raises :class:`StagingUnavailable` before
+        anything is queued if not one. Called inside the transfer's torch stream: torch
+        allocates for that stream.
+
+        Near the memory limit a refused size is not asked again for
+        :data:`STAGING_RETRY_S` seconds (a refusal makes torch free every cached block
+        and retry, which synchronises the device and costs the engine its cache), then
+        once more: an engine's memory peak passes, and a cache lives for days."""
         want = max(1, min(want, STAGING_LIMIT_BYTES // obj or 1))
-        if self._ceiling is not None:
+        retry = self._retry_at is not None and _clock() >= self._retry_at
+        if self._unavailable is not None and not retry:
+            raise self._unavailable
+        if self._ceiling is not None and not retry:
             want = min(want, self._ceiling)
         have = self._staging_bytes // obj
         if have >= want:
-            return have
-        # Nothing is in flight (the transfer lock is held, every transfer ends synced):
-        # the old buffer goes back to torch's cache, where the new one may reuse it.
+            return have, False
+        was = self._ceiling
+        if retry and have:
+            # Larger only: the buffer held is kept if the device still refuses more.
+            n, ptr, refused = self._allocate(want, have + 1, obj)
+            if not n:
+                self._refused(have, want, obj, refused, quiet=True)
+                return have, False
+        else:
+            # Nothing is in flight (the transfer lock is held, every transfer ends
+            # synced): the old buffer goes back to torch's cache, where the new one may
+            # reuse it.
+            self._free_staging()
+            n, ptr, refused = self._allocate(want, 1, obj)
+            if not n:
+                self._unavailable = StagingUnavailable(
+                    f"cannot allocate one chunk object ({obj} bytes) of staging on device "
+                    f"{self._device} ({refused[-1][1]}); set LMCACHE_MP_STAGING_MB lower, "
+                    f"or leave the engine more free memory (asked again in "
+                    f"{STAGING_RETRY_S:.0f} s)", call="torch.empty")
+                self._ceiling, self._retry_at = None, _clock() + STAGING_RETRY_S
+                raise self._unavailable
         self._free_staging()
+        self._staging_ptr, self._staging_bytes = ptr, n * obj
+        self._staging = self._drv.torch_bytes(ptr, n * obj, self._device)
+        self._unavailable = None
+        if refused:
+            self._refused(n, want, obj, refused, quiet=retry and n == was)
+        else:
+            if self._retry_at is not None:
+                log.info("lmcache_mp: the gather path's staging buffer holds %d chunk "
+                         "objects again (%s)", n, _mib(n * obj))
+            self._ceiling = self._retry_at = None
+            self.note = f"staging {n} chunk objects, {_mib(n * obj)}"
+        return n, True
+
+    def _allocate(self, want: int, least: int, obj: int
+                  ) -> tuple[int, int, list[tuple[int, CudaError]]]:
+        """Ask torch for ``want`` chunk objects, halving down to ``least``: how many it
+        gave (0: none), where, and the sizes it refused."""
         refused: list[tuple[int, CudaError]] = []
         n = want
-        while n >= 1:
+        while n:
             try:
-                ptr = self._drv.alloc_buffer(n * obj, self._device)
+                return n, self._drv.alloc_buffer(n * obj, self._device), refused
             except CudaError as exc:
                 refused.append((n, exc))
-                n = n // 2 if n > 1 else 0
-                continue
-            self._staging_ptr, self._staging_bytes = ptr, n * obj
-            self._staging = self._drv.torch_bytes(ptr, n * obj, self._device)
-            if refused:
-                self._ceiling = n
-                self.note = (f"staging holds {n} of {want} chunk objects ({_mib(n * obj)}; "
-                             f"{_mib(refused[0][0] * obj)} refused: {refused[-1][1]})")
-                log.warning("lmcache_mp: the gather path's staging buffer holds %d of %d "
-                            "chunk objects (%s; %s refused: %s): more rounds per transfer, "
-                            "the same bytes; set LMCACHE_MP_STAGING_MB or leave the "
-                            "engine more free memory", n, want, _mib(n * obj),
-                            _mib(refused[0][0] * obj), refused[-1][1])
-            else:
-                self.note = f"staging {n} chunk objects, {_mib(n * obj)}"
-            return n
-        self._unavailable = StagingUnavailable(
-            f"cannot allocate one chunk object ({obj} bytes) of staging on device "
-            f"{self._device} ({refused[-1][1]}); set LMCACHE_MP_STAGING_MB lower, or "
-            f"leave the engine more free memory", call="torch.empty")
-        raise self._unavailable
+                n = max(n // 2, least) if n > least else 0
+        return 0, 0, refused
+
+    def _refused(self, n: int, want: int, obj: int,
+                 refused: list[tuple[int, CudaError]], quiet: bool) -> None:
+        """Staging of ``n`` objects where ``want`` were asked: say so (a warning the
+        first time, then in the debug log) and ask again in STAGING_RETRY_S."""
+        self._ceiling, self._retry_at = n, _clock() + STAGING_RETRY_S
+        self.note = (f"staging holds {n} of {want} chunk objects ({_mib(n * obj)}; "
+                     f"{_mib(refused[0][0] * obj)} refused: {refused[-1][1]}; asked "
+                     f"again every {STAGING_RETRY_S:.0f} s)")
+        log.log(logging.DEBUG if quiet else logging.WARNING,
+                "lmcache_mp: the gather path's staging buffer holds %d of %d chunk objects "
+                "(%s; %s refused: %s): more rounds per transfer, the same bytes; asked "
+                "again in %.0f s; set LMCACHE_MP_STAGING_MB or leave the engine more free "
+                "memory", n, want, _mib(n * obj), _mib(refused[0][0] * obj),
+                refused[-1][1], STAGING_RETRY_S)
 
     def _free_staging(self) -> None:
         if self._staging_ptr:
@@ -429,13 +490,14 @@ class GatherCopier:
                     self._drv.stream_synchronize(stream)
 
     def _prepare(self, chunk_tokens: int, n: int, block_ids: np.ndarray,
-                 stream: int) -> tuple[_Rounds, int, int, Any]:
+                 stream: int) -> tuple[_Rounds, int, int, Any, bool]:
         """Staging for ``n`` chunk objects, the streams and events, and the block ids
         on the device (queued on ``stream``): (the rounds, bytes of one (plane, layer)
-        row of a chunk object, blocks per chunk, the index tensor)."""
+        row of a chunk object, blocks per chunk, the index tensor, whether the staging
+        was allocated now and the copy stream uses it)."""
         per = chunk_tokens // self._g.block_size
         width = chunk_tokens * self._hidden_units * self._unit
-        capacity = self._reserve(n, self._planes * self._g.num_layers * width)
+        capacity, fresh = self._reserve(n, self._planes * self._g.num_layers * width)
         self._index_for(len(block_ids))
         rounds = _Rounds(n, capacity)
         if rounds.overlap:
@@ -445,7 +507,7 @@ class GatherCopier:
         nbytes = 8 * len(block_ids)
         self._drv.memcpy_2d_async(self._device_index, nbytes, self._host_index, nbytes,
                                   nbytes, 1, stream)
-        return rounds, width, per, self._index[: len(block_ids)]
+        return rounds, width, per, self._index[: len(block_ids)], fresh and rounds.overlap
 
     def _staged(self, rounds: _Rounds, region: int, k: int, per: int) -> Any:
         """Region ``region``'s first ``k`` chunk objects as ``[planes, layers, k * per
@@ -483,6 +545,21 @@ class GatherCopier:
             self._drv.event_record(event, recorded_on)
             self._drv.stream_wait_event(waiting, event)
 
+    def _mark(self, rounds: _Rounds, r: int, kind: str, region: int, stream: int) -> None:
+        """Round ``r`` is done with ``region`` on ``stream`` (an event), for the round
+        that reuses the region (two on) to wait for; not when no round reuses it."""
+        if rounds.overlap and r + 2 < rounds.count:
+            self._drv.event_record(self._events[kind][region], stream)
+
+    def _await_reuse(self, rounds: _Rounds, r: int, kind: str, region: int,
+                     waiting: int) -> None:
+        """Before round ``r`` reuses ``region``: ``waiting`` waits for round ``r - 2``'s
+        last use of it (its :meth:`_mark`). Only there: cudaStreamWaitEvent holds every
+        later operation of the stream, so a wait right after round ``r - 2`` would
+        also hold round ``r - 1``, which uses the other region (no overlap)."""
+        if rounds.overlap and r >= 2:
+            self._drv.stream_wait_event(waiting, self._events[kind][region])
+
     def store(self, ids: np.ndarray, slot_addrs: Sequence[int],
               chunk_indices: Sequence[int], chunk_tokens: int, stream: int) -> None:
         """Blocks -> slots: slot ``slot_addrs[i]`` gets chunk ``chunk_indices[i]`` of
@@ -491,18 +568,20 @@ class GatherCopier:
         per = chunk_tokens // self._g.block_size
         n = len(slot_addrs)
         blocks = np.concatenate([ids[ci * per:(ci + 1) * per] for ci in chunk_indices])
-        with self._transfer(stream):
-            rounds, width, per, index = self._prepare(chunk_tokens, n, blocks, stream)
+        with self._transfer(stream), self._drv.torch_stream(stream, self._device):
+            # The buffers are allocated for ``stream`` (torch may hand back a block an
+            # engine tensor freed there with its kernels still queued: safe for work
+            # queued there later); the first DMA follows the first gather's hand-over.
+            rounds, width, per, index, _ = self._prepare(chunk_tokens, n, blocks, stream)
             copy = self._copy_stream if rounds.overlap else stream
-            with self._drv.torch_stream(stream, self._device):
-                for _, first, k, region in rounds(n):
-                    staged = self._staged(rounds, region, k, per)
-                    self._gather(index[first * per:(first + k) * per], staged)
-                    self._hand_over("staged", region, stream, copy)  # DMA what was gathered
-                    self._dma(self._region_ptr(rounds, region, width), width, k,
-                              slot_addrs[first:first + k], copy, to_slots=True)
-                    # The region's next gather (two rounds on) waits for these DMAs.
-                    self._hand_over("copied", region, copy, stream)
+            for r, first, k, region in rounds(n):
+                self._await_reuse(rounds, r, "copied", region, stream)  # round r-2's DMAs
+                staged = self._staged(rounds, region, k, per)
+                self._gather(index[first * per:(first + k) * per], staged)
+                self._hand_over("staged", region, stream, copy)  # DMA what was gathered
+                self._dma(self._region_ptr(rounds, region, width), width, k,
+                          slot_addrs[first:first + k], copy, to_slots=True)
+                self._mark(rounds, r, "copied", region, copy)
 
     def retrieve(self, ids: np.ndarray, slot_addrs: Sequence[int], chunk_tokens: int,
                  skip_blocks: int, stream: int) -> None:
@@ -516,22 +595,27 @@ class GatherCopier:
             return
         slots = slot_addrs[skipped_objects:]
         base_block = skipped_objects * per  # the first block of the first object moved
-        with self._transfer(stream):
-            rounds, width, per, index = self._prepare(
+        with self._transfer(stream), self._drv.torch_stream(stream, self._device):
+            rounds, width, per, index, fresh = self._prepare(
                 chunk_tokens, n, ids[skip_blocks:len(slot_addrs) * per], stream)
             copy = self._copy_stream if rounds.overlap else stream
-            with self._drv.torch_stream(stream, self._device):
-                for _, first, k, region in rounds(n):
-                    self._dma(self._region_ptr(rounds, region, width), width, k,
-                              slots[first:first + k], copy, to_slots=False)
-                    self._hand_over("copied", region, copy, stream)  # scatter what landed
-                    start = base_block + first * per  # the round's first block
-                    skip = max(0, skip_blocks - start)  # blocks of it left alone
-                    staged = self._staged(rounds, region, k, per)[:, :, skip:]
-                    self._scatter(index[start + skip - skip_blocks:
-                                        start + k * per - skip_blocks], staged)
-                    # The region's next DMA (two rounds on) waits for this scatter.
-                    self._hand_over("staged", region, stream, copy)
+            if fresh:
+                # Staging just allocated for ``stream`` may be a block whose last user's
+                # kernels are still queued there: the copy stream's DMAs into it wait
+                # for them. (A buffer from an earlier transfer needs no wait: that
+                # transfer ended with the host waiting for its stream.)
+                self._hand_over("staged", 0, stream, copy)
+            for r, first, k, region in rounds(n):
+                self._await_reuse(rounds, r, "staged", region, copy)  # round r-2's scatter
+                self._dma(self._region_ptr(rounds, region, width), width, k,
+                          slots[first:first + k], copy, to_slots=False)
+                self._hand_over("copied", region, copy, stream)  # scatter what landed
+                start = base_block + first * per  # the round's first block
+                skip = max(0, skip_blocks - start)  # blocks of it left alone
+                staged = self._staged(rounds, region, k, per)[:, :, skip:]
+                self._scatter(index[start + skip - skip_blocks:
+                                    start + k * per - skip_blocks], staged)
+                self._mark(rounds, r, "staged", region, stream)
 
     def _gather(self, index: Any, staged: Any) -> None:
         torch = self._torch

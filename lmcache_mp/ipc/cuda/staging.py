@@ -40,8 +40,10 @@ and COMMIT_*, after every slot was checked):
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -58,7 +60,7 @@ from .gather import GatherCopier, StagingUnavailable
 
 __all__ = ["CopyDriver", "CopyPlan", "PoolLike", "PoolPin", "PIN_WAIT_BYTES", "store_plan",
            "retrieve_plan", "run_plan", "device_copy_into_slots", "device_copy_from_slots",
-           "pinned_pools", "unpin"]
+           "pinned_pools", "unpin", "TransferFailed"]
 
 log = logging.getLogger("lmcache_mp")
 
@@ -276,11 +278,38 @@ class PoolLike(Protocol):
 #: the caller's (vLLM's forward) thread.
 PIN_WAIT_BYTES = 64 << 20
 
+#: Seconds the interpreter's exit waits for page-lockings still running (see
+#: :func:`_finish_pinning_at_exit`).
+PIN_EXIT_WAIT_S = 30.0
+
 _pin_lock = threading.Lock()
 # pool address -> its page-locking, for pinned_pools() / unpin(view): the record that
 # counts is the mapping's own (Pool.pinning), so an address reused by a new mapping
 # never inherits an old mapping's state.
 _pinned: dict[int, PoolPin] = {}
+_pinning: set[threading.Thread] = set()  # page-locking threads not finished
+_pinning_lock = threading.Lock()  # for _pinning (PoolPin is made under _pin_lock)
+
+
+def _finish_pinning_at_exit() -> None:
+    """At the interpreter's exit (atexit: before CUDA's own teardown, which runs when
+    the process exits after Python finalised), wait up to :data:`PIN_EXIT_WAIT_S` for
+    the page-locking threads still inside ``cudaHostRegister``. They are daemons (a
+    process that ends while a large pool is being pinned must not hang), and a
+    daemon still in a CUDA call while the runtime destroys its context is undefined
+    behaviour (a crash at exit, at best)."""
+    with _pinning_lock:
+        threads = list(_pinning)
+    deadline = time.monotonic() + PIN_EXIT_WAIT_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    left = [t for t in threads if t.is_alive()]
+    if left:
+        log.warning("lmcache_mp: %d page-locking thread(s) still inside cudaHostRegister "
+                    "after %.0f s at exit", len(left), PIN_EXIT_WAIT_S)
+
+
+atexit.register(_finish_pinning_at_exit)
 
 
 class PoolPin:
@@ -293,9 +322,17 @@ class PoolPin:
         self.pinned = False
         self.done = threading.Event()
         self._undone = False
+        # A daemon, waited for at exit (_finish_pinning_at_exit), bounded.
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="lmcache-mp-pin-pool")
-        self._thread.start()
+        with _pinning_lock:
+            _pinning.add(self._thread)
+        try:
+            self._thread.start()
+        except BaseException:
+            with _pinning_lock:
+                _pinning.discard(self._thread)
+            raise
 
     def _run(self) -> None:
         try:
@@ -309,6 +346,8 @@ class PoolPin:
                         "RLIMIT_MEMLOCK (ulimit -l) to fix this", self.nbytes, exc)
         finally:
             self.done.set()
+            with _pinning_lock:
+                _pinning.discard(threading.current_thread())
 
     def undo(self, _view: object = None) -> None:
         """Unregister (after the registration finished); once. A before_unmap hook."""
@@ -405,7 +444,25 @@ def _cache_parts(cache: ExportableKVCache, stream: Any) -> tuple[CudaKVCache, Co
     return cache, drv, cache.resolve_stream(stream)
 
 
-def _copy(cache: ExportableKVCache, stream: Any, pool: PoolLike,
+class TransferFailed(CudaError):
+    """An engine-driven copy failed once work of it may have been queued (a CUDA call,
+    a torch kernel, the host's wait). Raised only after the host waited for what was
+    queued, so the COMMIT that follows finds no copy of ours still running; what the
+    copy left behind is said in the message (STORE: slots the COMMIT_STORE publishes
+    partly written; RETRIEVE: blocks partly written)."""
+
+
+_AFTERMATH = {
+    "STORE": "the server's reserved slots may be partly written, and the COMMIT_STORE "
+             "that releases them publishes them as they are (LMCache's protocol has no "
+             "abort): a later LOOKUP may hit this key's chunks with wrong bytes until they "
+             "are evicted; clear() the server's cache if that matters",
+    "RETRIEVE": "the blocks of this transfer may be partly written: treat them as not "
+                "loaded (compute them again)",
+}
+
+
+def _copy(cache: ExportableKVCache, stream: Any, pool: PoolLike, direction: str,
           gather: Callable[[GatherCopier, int], bool],
           plan: Callable[[CudaKVCache], CopyPlan]) -> None:
     """One engine-driven transfer: the pool pinned, the blocks moved by the gather path
@@ -413,21 +470,30 @@ def _copy(cache: ExportableKVCache, stream: Any, pool: PoolLike,
     work) or the copy plan, and the stream synchronised before returning or raising:
     the COMMIT that follows (COMMIT_STORE publishes the slots, COMMIT_RETRIEVE lets
     the server reuse them) must find no copy of ours still running, on an error path
-    too (a copy that raised after others were queued)."""
+    too (a copy that raised after others were queued). A failure there is raised as
+    :class:`TransferFailed` (an :class:`~lmcache_mp.errors.LMCacheMPError`, torch's
+    errors included, so callers that handle this library's errors see the transfer
+    fail rather than crash)."""
     cuda, drv, handle = _cache_parts(cache, stream)
     copier = cuda.gather_copier()
     with on_device(drv, cuda.device):
         _ensure_pinned(drv, cuda.device, pool)
         try:
             try:
-                moved = copier is not None and gather(copier, handle)
-            except StagingUnavailable as exc:  # raised before anything was queued
-                _warn_staging(exc)
-                moved = False
-            if not moved:
-                run_plan(drv, plan(cuda), handle)
-        finally:
-            drv.stream_synchronize(handle)
+                try:
+                    moved = copier is not None and gather(copier, handle)
+                except StagingUnavailable as exc:  # raised before anything was queued
+                    _warn_staging(exc)
+                    moved = False
+                if not moved:
+                    run_plan(drv, plan(cuda), handle)
+            finally:
+                drv.stream_synchronize(handle)
+        except (CudaError, RuntimeError) as exc:  # torch's errors are RuntimeErrors
+            raise TransferFailed(f"engine-driven {direction} copy failed ({exc}); "
+                                 f"{_AFTERMATH[direction]}",
+                                 call=getattr(exc, "call", type(exc).__name__),
+                                 code=getattr(exc, "code", None)) from exc
 
 
 def device_copy_into_slots(cache: ExportableKVCache, ids: np.ndarray, targets: Sequence[np.ndarray],
@@ -441,7 +507,7 @@ def device_copy_into_slots(cache: ExportableKVCache, ids: np.ndarray, targets: S
         copier.store(ids, addrs, chunk_indices, chunk_tokens, handle)
         return True
 
-    _copy(cache, stream, pool, gather, lambda cuda: store_plan(
+    _copy(cache, stream, pool, "STORE", gather, lambda cuda: store_plan(
         cuda.geometry, cuda.layer_ptrs, ids, addrs, chunk_indices, chunk_tokens))
 
 
@@ -458,5 +524,5 @@ def device_copy_from_slots(cache: ExportableKVCache, ids: np.ndarray, sources: S
         copier.retrieve(ids, addrs, chunk_tokens, skip_blocks, handle)
         return True
 
-    _copy(cache, stream, pool, gather, lambda cuda: retrieve_plan(
+    _copy(cache, stream, pool, "RETRIEVE", gather, lambda cuda: retrieve_plan(
         cuda.geometry, cuda.layer_ptrs, ids, addrs, chunk_tokens, skip_blocks))
