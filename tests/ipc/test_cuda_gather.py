@@ -546,7 +546,7 @@ def test_real_gpu_gather_equals_the_plan(name: str, monkeypatch: pytest.MonkeyPa
                 got = np.zeros(g.layer_nbytes, np.uint8)
                 drv.memcpy(got.ctypes.data, p, g.layer_nbytes)
                 layers.append(got.tobytes())
-            assert (cache.copy_path == "gather") == (path == "gather"), cache.copy_path
+            assert cache.copy_path.startswith(path), cache.copy_path
             results[path] = (stored, layers)
             cache.close()
         finally:
