@@ -364,9 +364,12 @@ class CudaBindingsDriver:
             yield
 
     def alloc_buffer(self, nbytes: int, device: int) -> int:
-        """``nbytes`` of device memory from torch's caching allocator (blocks torch holds
-        free serve it first; on a miss it frees its cache and retries before giving up),
-        kept until :meth:`free_buffer`. CudaError when the device has no room."""
+        """``nbytes`` of device memory from torch's caching allocator, for torch's
+        current stream (call it inside :meth:`torch_stream`): blocks freed on that
+        stream serve it first, even with work queued there still using them (safe for
+        work queued there later only); on a miss torch frees its cache and retries
+        before giving up. Kept until :meth:`free_buffer`. CudaError when the device
+        has no room."""
         import torch
 
         try:

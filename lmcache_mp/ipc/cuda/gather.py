@@ -133,7 +133,8 @@ class GatherDriver(CudaDriver, Protocol):
         ...
 
     def alloc_buffer(self, nbytes: int, device: int) -> int:
-        """Device memory from torch's caching allocator (CudaError when refused)."""
+        """Device memory from torch's caching allocator for the current torch stream
+        (CudaError when refused)."""
         ...
 
     def free_buffer(self, ptr: int) -> None: ...
