@@ -5,7 +5,9 @@ The vLLM benchmarks (``--py-spy PATH``) run each engine under ``py-spy record
 stack, ``process PID:"cmd";frame;...;frame COUNT``, a frame ``function (file:line)``.
 A sample is the connector's when a frame of it is on the stack: a file under
 ``lmcache_mp/`` or ``lmcache/`` (this benchmark's own wrappers, benchmarks/hooktime,
-are not: their frames are left out). Each such sample is counted once under its
+are not: their frames are left out), except samples of the engine's start and end
+(imports, the connector's construction and registration, shutdown: ``_NOT_STEPS``),
+which are not per-step work. Each such sample is counted once under its
 *entry* (the outermost connector frame: the vLLM hook, or the function a background
 thread runs) and once under its *leaf* (the innermost frame of the whole stack: where
 the CPU was, numpy's copy or zmq's send included); both shares are of the connector's
@@ -22,6 +24,11 @@ from typing import Any
 _FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 _OURS = ("/lmcache_mp/", "/lmcache/")
 _SKIP = ("/hooktime/",)
+#: Samples of the engine's start and end, not of its steps: imports, the connector's
+#: construction, registration, metrics set-up, shutdown.
+_NOT_STEPS = ("<module>", "_call_with_frames_removed", "register_kv_caches", "__init__",
+              "build_prom_metrics", "shutdown", "unregister", "set_registration",
+              "get_handshake_metadata", "set_xfer_handshake_metadata", "_try_register")
 
 
 def _frame(text: str) -> tuple[str, str]:
@@ -52,7 +59,7 @@ def summarize(path: Path, rate: float, steps: int, top: int = 12) -> dict[str, A
         frames = [_frame(f) for f in stack.split(";")[1:]]  # [0]: the process
         frames = [f for f in frames if not any(s in f[1] for s in _SKIP)]
         mine = [i for i, (_, file) in enumerate(frames) if any(o in file for o in _OURS)]
-        if not mine:
+        if not mine or any(func in _NOT_STEPS for func, _ in frames):
             continue
         connector += n
         entries[_short(*frames[mine[0]])] += n

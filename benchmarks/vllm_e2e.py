@@ -154,7 +154,9 @@ def run_engine(contender: str, spec: dict[str, Any], release: str, workdir: Path
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False}
     result["hooks"] = read_hooks(hook_dir)
     result["hook_dir"] = str(hook_dir)
-    result["phases"] = ttft_phases.engine_phases(hook_dir, [r["tag"] for r in spec["rounds"]])
+    if all("tag" in r for r in spec["rounds"]):  # vllm_e2e's rounds (not the workloads')
+        result["phases"] = ttft_phases.engine_phases(hook_dir,
+                                                     [r["tag"] for r in spec["rounds"]])
     if rc != 0 or not result.get("ok"):
         signal = f" (signal {-rc})" if rc is not None and rc < 0 else ""
         result["crash"] = {"rc": rc, "why": ("ran past the timeout" if rc is None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -231,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                         if e2e.PROFILER and stacks.exists():
                             per[c]["profile"] = profile_stacks.summarize(
                                 stacks, PROFILE_RATE, per[c]["costs"]["steps"])
+                            (out / "profiles").mkdir(exist_ok=True)
+                            shutil.copy(stacks, out / "profiles" / f"{w}-{c}.txt")
                     per[c]["raw"] = res
                 for c in per:
                     per[c]["tokens"] = compare(per.get("none", {}).get("raw"), per[c]["raw"])

@@ -67,6 +67,11 @@ class StepOps:
     tokens: dict[str, bytes] = field(default_factory=dict)
     #: Wire ids the workers may forget the tokens of (their requests are done).
     forget: list[str] = field(default_factory=list)
+    #: The step schedules no tokens (vLLM runs no forward pass: every request is
+    #: waiting, e.g. for its load): the workers wait for the loads in flight before
+    #: reporting, so a warm request is scheduled in the next step instead of a poll or
+    #: two later (worker.py ``IDLE_LOAD_WAIT_S``).
+    idle: bool = False
 
     def retrieves(self) -> list[TransferOp]:
         return [op for op in self.ops if op.direction == "RETRIEVE"]

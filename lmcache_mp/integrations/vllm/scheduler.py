@@ -597,7 +597,8 @@ class SchedulerSide:
         self._background = [f for f in self._background if not f.done()]
         self._wait_until = 0.0  # the next step's lookups may wait again
         step = StepOps(preempted=sorted(getattr(scheduler_output, "preempted_req_ids",
-                                                None) or ()))
+                                                None) or ()),
+                       idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0)
         step.held, self._held = self._held, []
         step.forget, self._forget = self._forget, []
         for t in [*self.trackers.values(), *self._finishing]:

@@ -36,16 +36,26 @@ reads the KV of computed tokens, which vLLM does not rewrite while the request r
 keeps for a finished request until its stores are reported done, and reuses a
 preempted request's blocks only once :meth:`flush_stores` waited for that request's
 stores. CUDA caches keep the calling thread (their order is the current stream's).
+
+A step that schedules no tokens (``StepOps.idle``: every request waits, a warm one for
+its load) runs no forward pass: there ``get_finished`` waits for the loads in flight,
+at most :data:`IDLE_LOAD_WAIT_S`, and reports them in that step, so vLLM schedules a
+warm request in the next step instead of one or two empty steps later (each a round
+trip between vLLM's engine core and this worker, which also compete with the copy and
+the server for the CPU); while it waits, the forward thread does not spin in vLLM's
+queue, so the load thread's copy has the core. Nothing else runs in such a step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, cast
 
 import numpy as np
 
@@ -59,6 +69,11 @@ from .stats import Counters
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger("lmcache_mp")
+
+#: How long ``get_finished`` of a step without a forward pass waits for the loads in
+#: flight (their COMMITs' replies; a load still running then is reported by a later
+#: step, as in other steps): bounded, since a new request waits for this step's end.
+IDLE_LOAD_WAIT_S = 0.1
 
 
 class _Background:
@@ -77,6 +92,17 @@ class _Background:
 
     def result(self) -> Any:
         return self._submitted.result().result()
+
+    def wait(self, seconds: float) -> bool:
+        """Wait at most ``seconds`` for :meth:`done`, without raising."""
+        deadline = time.monotonic() + seconds
+        try:
+            reply = self._submitted.result(timeout=max(0.0, seconds))
+        except FutureTimeout:
+            return False
+        except BaseException:  # noqa: BLE001  (raised again by result())
+            return True
+        return bool(reply.wait(max(0.0, deadline - time.monotonic())))
 
 
 class WorkerSide:
@@ -263,45 +289,63 @@ class WorkerSide:
         """The step's RETRIEVEs (and which finished requests to report once stored)."""
         self._learn(step)
         self._held.update(step.held)
-        for op in step.retrieves():
-            future = None
-            if not self._usable():
-                log.warning("lmcache_mp connector: RETRIEVE %s not sent: %s; vLLM "
-                            "recomputes", op.request_id, self._unusable_reason())
-            else:
-                try:
-                    future = self._submit(
-                        self._load_thread, self.reg.retrieve_async, self._key(op), list(op.block_ids),
-                        skip_first_n_tokens=op.skip_first_n_tokens,
-                        timeout=self.cfg.transfer_timeout, stream=self.stream)
-                except LMCacheMPError as err:
-                    log.warning("lmcache_mp connector: RETRIEVE %s not sent: %s",
-                                op.request_id, err)
-            tokens = op.end - op.start - op.skip_first_n_tokens
-            self._loads.setdefault(op.request_id, []).append(
-                (future, op.written_block_ids, tokens, time.monotonic()))
+        with self._one_event():
+            for op in step.retrieves():
+                self._start_load(op)
+
+    def _start_load(self, op: TransferOp) -> None:
+        future = None
+        if not self._usable():
+            log.warning("lmcache_mp connector: RETRIEVE %s not sent: %s; vLLM "
+                        "recomputes", op.request_id, self._unusable_reason())
+        else:
+            try:
+                future = self._submit(
+                    self._load_thread, self.reg.retrieve_async, self._key(op), list(op.block_ids),
+                    skip_first_n_tokens=op.skip_first_n_tokens,
+                    timeout=self.cfg.transfer_timeout, stream=self.stream)
+            except LMCacheMPError as err:
+                log.warning("lmcache_mp connector: RETRIEVE %s not sent: %s",
+                            op.request_id, err)
+        tokens = op.end - op.start - op.skip_first_n_tokens
+        self._loads.setdefault(op.request_id, []).append(
+            (future, op.written_block_ids, tokens, time.monotonic()))
 
     def start_stores(self, step: StepOps) -> None:
         self._learn(step)
         if not self.place.writer:
             return  # MLA: another TP rank stores the same bytes (LMCache's rule)
-        for op in step.stores():
-            if not self._usable():
-                self.stats["skipped_stores"] += 1
-                self.metrics.add("skipped_stores")
-                self.metrics.add("store_failures")
-                continue
-            try:
-                future = self._submit(self._store_thread, self.reg.store_async, self._key(op),
-                                      list(op.block_ids), timeout=self.cfg.transfer_timeout,
-                                      stream=self.stream)
-            except LMCacheMPError as err:
-                log.warning("lmcache_mp connector: STORE %s not sent: %s", op.request_id, err)
-                self.stats["store_errors"] += 1
-                self.metrics.add("store_failures")
-                continue
-            self._stores.setdefault(op.request_id, []).append(
-                (future, op.end - op.start, time.monotonic()))
+        with self._one_event():
+            for op in step.stores():
+                self._start_store(op)
+
+    def _start_store(self, op: TransferOp) -> None:
+        if not self._usable():
+            self.stats["skipped_stores"] += 1
+            self.metrics.add("skipped_stores")
+            self.metrics.add("store_failures")
+            return
+        try:
+            future = self._submit(self._store_thread, self.reg.store_async, self._key(op),
+                                  list(op.block_ids), timeout=self.cfg.transfer_timeout,
+                                  stream=self.stream)
+        except LMCacheMPError as err:
+            log.warning("lmcache_mp connector: STORE %s not sent: %s", op.request_id, err)
+            self.stats["store_errors"] += 1
+            self.metrics.add("store_failures")
+            return
+        self._stores.setdefault(op.request_id, []).append(
+            (future, op.end - op.start, time.monotonic()))
+
+    def _one_event(self) -> contextlib.AbstractContextManager[None]:
+        """LMCache-driven CUDA transfers of one batch (a step's RETRIEVEs, or its
+        STOREs) send one interprocess event between them (``CudaKVCache.one_event``),
+        as LMCache's connector does, instead of creating and exporting one each."""
+        reg = self.reg
+        one_event = getattr(getattr(reg, "cache", None), "one_event", None)
+        if reg is None or one_event is None or getattr(reg, "mode", None) != "lmcache":
+            return contextlib.nullcontext()
+        return cast("contextlib.AbstractContextManager[None]", one_event())
 
     @staticmethod
     def _submit(thread: ThreadPoolExecutor | None, transfer: Callable[..., Any], *args: Any,
@@ -339,6 +383,8 @@ class WorkerSide:
         """(held requests whose stores are done, requests whose loads are done). Only
         polls: nothing here waits on the server. ``finished_req_ids`` (vLLM's) is not
         needed: the scheduler says which finished requests wait for their stores."""
+        if self._learned is not None and self._learned.idle:
+            self._wait_for_loads(time.monotonic() + IDLE_LOAD_WAIT_S)
         for rid in list(self._stores):
             left = []
             for store in self._stores[rid]:
@@ -370,6 +416,15 @@ class WorkerSide:
             del self._loads[rid]
             recving.add(rid)
         return sending, recving
+
+    def _wait_for_loads(self, deadline: float) -> None:
+        """Wait (until ``deadline``) for every load in flight: a step that runs no
+        forward pass (module docstring)."""
+        for loads in self._loads.values():
+            for future, *_ in loads:
+                left = deadline - time.monotonic()
+                if future is not None and (left <= 0 or not future.wait(left)):
+                    return
 
     def _load_ok(self, rid: str, future: Any) -> bool:
         if future is None:

@@ -15,6 +15,8 @@ does (``DeviceMessagingFuture`` imports every reply's handle), each one is opene
 afresh, waited on (``cudaStreamWaitEvent``: work queued on the stream afterwards sees
 the copied blocks) and destroyed, never cached by its bytes.
 ``wait_host=True`` (or :meth:`CudaKVCache.synchronize`) also waits on the host.
+Transfers begun together inside :meth:`CudaKVCache.one_event` (a vLLM step's STOREs,
+or its RETRIEVEs) share one event of ours: created, recorded and exported once.
 
 ``stream=None`` is torch's current stream on the cache's device when torch has
 initialised CUDA in this process, else the legacy default stream (see
@@ -24,10 +26,11 @@ writes the KV cache on when it is neither.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 from ...checks import one_of
@@ -107,6 +110,8 @@ class CudaKVCache:
         self._copier: GatherCopier | None = None
         self._copier_finalizer: weakref.finalize[Any, Any] | None = None
         self._copier_refused: str | None = None
+        #: Per thread, inside :meth:`one_event`: the shared event per stream.
+        self._batch = threading.local()
 
     # ------------------------------------------------------------ builders
     @classmethod
@@ -350,23 +355,49 @@ class CudaKVCache:
         the module docstring, else :func:`~lmcache_mp.ipc.cuda.export.stream_handle`."""
         return default_stream(self.device) if stream is None else stream_handle(stream)
 
+    @contextlib.contextmanager
+    def one_event(self) -> Iterator[None]:
+        """Transfers begun inside this block on this thread send one interprocess
+        event per stream, recorded on it by the first of them, instead of one each:
+        begun one after another with nothing of the caller's queued between them (a
+        vLLM step's STOREs after its forward pass, or its RETRIEVEs before it), they
+        would all capture the same work anyway. The server's copies each wait for it;
+        it is destroyed once every one of them has its reply (or is dropped), so a
+        server never opens a handle already destroyed. As LMCache's own connector
+        does: one event per step's batch."""
+        outer = getattr(self._batch, "events", None)
+        self._batch.events = {}
+        try:
+            yield
+        finally:
+            self._batch.events = outer
+
     def begin_transfer(self, stream: Any) -> tuple[bytes, Any]:
-        """Record a fresh interprocess event on ``stream``: the server's copy waits
-        for it. Returns its 64-byte handle and the event (kept until the reply)."""
+        """Record a fresh interprocess event on ``stream`` (inside :meth:`one_event`:
+        the block's event for that stream, made by its first transfer): the server's
+        copy waits for it. Returns its 64-byte handle and a token to keep until the
+        reply."""
         self._check_open()
         drv = self._driver
+        shared: dict[int, TransferEvent] | None = getattr(self._batch, "events", None)
         with on_device(drv, self.device):
             # Resolved here, on the device, and kept: the reply's wait must go on the
             # same stream even if the reply is handled on another thread.
             handle_of_stream = self.resolve_stream(stream)
-            token = TransferEvent(drv, self.device, drv.event_create_ipc(), handle_of_stream)
-            try:
-                drv.event_record(token.event, handle_of_stream)
-                token.handle = drv.ipc_get_event_handle(token.event)
-            except BaseException:
-                token.destroy()
-                raise
-        return token.handle, token
+            token = None if shared is None else shared.get(handle_of_stream)
+            if token is None:
+                token = TransferEvent(drv, self.device, drv.event_create_ipc(),
+                                      handle_of_stream)
+                try:
+                    drv.event_record(token.event, handle_of_stream)
+                    token.handle = drv.ipc_get_event_handle(token.event)
+                except BaseException:
+                    token.destroy()
+                    raise
+                if shared is None:
+                    return token.handle, token
+                shared[handle_of_stream] = token
+        return token.handle, _EventShare(token)
 
     def end_transfer(self, server_event: bytes, stream: Any, token: Any) -> None:
         """Make the stream wait for the server's copy (its event handle, opened for this
@@ -376,8 +407,9 @@ class CudaKVCache:
             handle = check_server_event(server_event)
             drv = self._driver
             with on_device(drv, self.device):
-                if stream is None and isinstance(token, TransferEvent):
-                    handle_of_stream = token.stream
+                ours = token.event if isinstance(token, _EventShare) else token
+                if stream is None and isinstance(ours, TransferEvent):
+                    handle_of_stream = ours.stream
                 else:
                     handle_of_stream = self.resolve_stream(stream)
                 self._wait_server_event(handle, handle_of_stream)
@@ -386,6 +418,8 @@ class CudaKVCache:
         finally:
             if isinstance(token, TransferEvent):
                 token.destroy()
+            elif isinstance(token, _EventShare):
+                token.release()
 
     def _wait_server_event(self, handle: bytes, stream: int) -> None:
         drv = self._driver
@@ -490,3 +524,17 @@ class CudaKVCache:
         state = "closed" if self.closed else "open"
         return (f"<CudaKVCache cuda:{self.device} {g.num_layers} x {g.layer_shape} {g.dtype}"
                 f"{' MLA' if g.mla else ''} {self.wrapper_format} {state}>")
+
+
+class _EventShare:
+    """One transfer's hold on an event of :meth:`CudaKVCache.one_event`: the event
+    (a :class:`TransferEvent`, destroyed by its finalizer) goes when its block has ended
+    and every share was released (a reply) or dropped (a request that timed out)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: TransferEvent) -> None:
+        self.event: TransferEvent | None = event
+
+    def release(self) -> None:
+        self.event = None
