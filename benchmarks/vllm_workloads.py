@@ -147,6 +147,9 @@ def markdown(report: dict[str, Any]) -> str:
         theirs = (per.get("lmcache") or {}).get("costs") or {}
         ratio = (f"{ours['cpu_us_per_step'] / theirs['cpu_us_per_step']:.2f}x"
                  if ours.get("cpu_us_per_step") and theirs.get("cpu_us_per_step") else "")
+        if ratio and ours.get("net_cpu_us_per_step") and theirs.get("net_cpu_us_per_step"):
+            ratio += (f" (net of the wrapper "
+                      f"{ours['net_cpu_us_per_step'] / theirs['net_cpu_us_per_step']:.2f}x)")
         for c, r in per.items():
             if not r.get("ok"):
                 lines.append(f"| {w} | {c} | crashed: {r.get('why')} | | | | | | | |")

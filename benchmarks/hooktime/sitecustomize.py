@@ -103,6 +103,7 @@ if _DIR:
         _read_threads()
         with _lock:
             data = {"pid": os.getpid(), "argv0": sys.argv[0] if sys.argv else "",
+                    "cpus": len(os.sched_getaffinity(0)),  # vLLM binds its CPU workers
                     "stats": {k: list(v) for k, v in _stats.items()}, "meta": dict(_meta),
                     "threads": {str(k): list(v) for k, v in _threads.items()}}
             new = _trace[:]

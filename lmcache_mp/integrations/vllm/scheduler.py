@@ -660,8 +660,11 @@ class SchedulerSide:
 
     def _store_op(self, t: Tracker) -> TransferOp | None:
         chunk = self.chunk_size
-        if (t.state is State.BYPASS or not self.stores or chunk is None
-                or not self.all_healthy()):
+        if t.state is State.BYPASS or not self.stores or chunk is None:
+            return None
+        if not self.cfg.save_decode_cache and t.stored + chunk > t.num_prompt_tokens:
+            return None  # every whole prompt chunk ordered: a decode step's usual answer
+        if not self.all_healthy():
             return None
         assert t.key is not None
         if self.cfg.save_decode_cache and t.request is not None:

@@ -288,7 +288,10 @@ class WorkerSide:
     def start_loads(self, step: StepOps) -> None:
         """The step's RETRIEVEs (and which finished requests to report once stored)."""
         self._learn(step)
-        self._held.update(step.held)
+        if step.held:
+            self._held.update(step.held)
+        if not step.ops:
+            return  # most steps: nothing to load
         with self._one_event():
             for op in step.retrieves():
                 self._start_load(op)
@@ -315,6 +318,8 @@ class WorkerSide:
         self._learn(step)
         if not self.place.writer:
             return  # MLA: another TP rank stores the same bytes (LMCache's rule)
+        if not step.ops:
+            return
         with self._one_event():
             for op in step.stores():
                 self._start_store(op)
@@ -381,8 +386,12 @@ class WorkerSide:
     # ---------------------------------------------------------------- results
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(held requests whose stores are done, requests whose loads are done). Only
-        polls: nothing here waits on the server. ``finished_req_ids`` (vLLM's) is not
-        needed: the scheduler says which finished requests wait for their stores."""
+        polls, except in a step without a forward pass (``StepOps.idle``: it waits for
+        the loads in flight, at most ``IDLE_LOAD_WAIT_S``; module docstring).
+        ``finished_req_ids`` (vLLM's) is not needed: the scheduler says which finished
+        requests wait for their stores."""
+        if not (self._stores or self._held or self._loads):
+            return set(), set()  # most steps: nothing in flight
         if self._learned is not None and self._learned.idle:
             self._wait_for_loads(time.monotonic() + IDLE_LOAD_WAIT_S)
         for rid in list(self._stores):
