@@ -103,12 +103,6 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         cfg = self.cfg
-        # vLLM hands one connector's handshake metadata from the workers to the
-        # scheduler; inside a MultiConnector only the first sub-connector's that is not
-        # None travels (NIXL's, which must), so there this connector hands over none.
-        self._hand_over = getattr(self._kv_transfer_config, "kv_connector",
-                                  None) == type(self).__name__
-
         def client(url: str) -> Client:
             return Client(url, timeout=cfg.mq_timeout, heartbeat_interval=cfg.heartbeat_interval,
                           protocol=cfg.protocol)
@@ -125,7 +119,7 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 kv_role=str(self._kv_transfer_config.kv_role or "kv_both"),
                 # Its first health check waits for the workers' protocol families
                 # (set_xfer_handshake_metadata), or runs when a lookup first needs it.
-                initial_check=not self._hand_over)
+                initial_check=False)
         else:
             place = placement(self.cfg.server_urls, world, rank, mla=self.mla, tp_size=tp)
             self.worker = WorkerSide(self.cfg, client(place.url), place,
@@ -218,9 +212,19 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # scheduler, which takes the families from there instead of probing again.
     def get_handshake_metadata(self) -> ProtocolFamilies | None:
         worker = self.worker
-        if not self._hand_over or worker is None or not worker.client.protocol_identified:
+        if worker is None or not worker.client.protocol_identified or not self._top_level():
             return None
         return ProtocolFamilies({worker.place.url: worker.client.server_protocol})
+
+    def _top_level(self) -> bool:
+        """Whether vLLM's worker holds this connector itself, not a MultiConnector
+        around it: a MultiConnector forwards only its first sub-connector's handshake
+        metadata that is not None to every sub-connector's scheduler (NIXL's, which
+        must travel, and whose scheduler refuses any other). Its sub-connectors' configs
+        carry their own class names, so only the worker's group says which it is."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        return bool(has_kv_transfer_group()) and get_kv_transfer_group() is self
 
     def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
         if self.scheduler is None:

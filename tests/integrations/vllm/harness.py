@@ -1059,10 +1059,59 @@ def connector_config_check() -> dict[str, Any]:
     return out
 
 
+def handshake_check() -> dict[str, Any]:
+    """Which handshake metadata our worker-role connector hands vLLM (issue 37: its
+    protocol family, for the scheduler), made as vLLM makes it, by where vLLM's worker
+    holds it: itself (its families), inside a MultiConnector (vLLM's own, built from
+    its config: none, since only the first sub-connector's metadata that is not None
+    travels, and NIXL's scheduler refuses any other), no group (none). One JSON line."""
+    from vllm.config import DeviceConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16")
+    url = "tcp://127.0.0.1:9"  # never connected: the family is named
+    ours = {"kv_connector": OURS[0], "kv_connector_module_path": OURS[1], "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.server_urls": [url],
+                                          "lmcache.mp.protocol": "0.5.7"}}
+
+    def vllm_config(ktc: Any) -> Any:
+        return VllmConfig(model_config=model, device_config=DeviceConfig("cpu"),
+                          kv_transfer_config=ktc)
+
+    def families(meta: Any) -> Any:
+        return None if meta is None else getattr(meta, "families", type(meta).__name__)
+
+    out: dict[str, Any] = {}
+    alone = KVConnectorFactory.create_connector(
+        config=vllm_config(KVTransferConfig(**ours)), role=KVConnectorRole.WORKER,
+        kv_cache_config=None)
+    multi_cfg = vllm_config(KVTransferConfig(
+        kv_connector="MultiConnector", kv_role="kv_both",
+        kv_connector_extra_config={"connectors": [ours]}))
+    multi = MultiConnector(vllm_config=multi_cfg, role=KVConnectorRole.WORKER,
+                           kv_cache_config=None)
+    saved = kv_transfer_state._KV_CONNECTOR_AGENT
+    try:
+        out["no_group"] = families(alone.get_handshake_metadata())
+        kv_transfer_state._KV_CONNECTOR_AGENT = alone
+        out["alone"] = families(alone.get_handshake_metadata())
+        kv_transfer_state._KV_CONNECTOR_AGENT = multi
+        out["in_multi"] = families(multi.get_handshake_metadata())
+    finally:
+        kv_transfer_state._KV_CONNECTOR_AGENT = saved
+        alone.shutdown()
+        multi.shutdown()
+    return out
+
+
 #: ``python harness.py --CHECK [--CHECK ...]``: one RESULT line, ``{CHECK: its result}``
 #: (one vLLM import for them all).
 CHECKS = {"--sleep-mode": sleep_mode_check, "--kv-cache-access": kv_cache_access_check,
-          "--token-buffer": token_buffer_check, "--connector-config": connector_config_check}
+          "--token-buffer": token_buffer_check, "--connector-config": connector_config_check,
+          "--handshake": handshake_check}
 
 if __name__ == "__main__":
     if sys.argv[1] in CHECKS:

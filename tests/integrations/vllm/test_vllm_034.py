@@ -57,10 +57,11 @@ def server() -> Any:
 
 @pytest.fixture(scope="module")
 def checks() -> dict[str, Any]:
-    """``harness.py --kv-cache-access --token-buffer --connector-config`` under the
+    """``harness.py --kv-cache-access --token-buffer --connector-config --handshake`` under the
     tree's python (one vLLM import for them all): ``{check: its result}``."""
     proc = subprocess.run([str(vllm_python()), str(HARNESS), "--kv-cache-access",
-                           "--token-buffer", "--connector-config"], capture_output=True,
+                           "--token-buffer", "--connector-config", "--handshake"],
+                          capture_output=True,
                           text=True, timeout=300,
                           env=engine_env(), cwd=REPO)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -411,3 +412,16 @@ def test_pcp_is_refused_and_a_drafters_layers_are_keyed_apart(checks: dict[str, 
     assert "--prefill-context-parallel-size 1" in out["pcp"], out
     assert out["draft_model"].endswith("##draft-draft_model-" + out["model"]), out
     assert out["ngram"] == out["model"], out
+
+
+def test_the_protocol_family_is_handed_over_only_by_a_top_level_connector(
+        checks: dict[str, Any]) -> None:
+    """Issue 37's hand-off (the workers' protocol family, for the scheduler) rides on
+    vLLM's handshake metadata, of which a MultiConnector forwards only its first
+    sub-connector's that is not None, to every sub-connector's scheduler (NIXL's
+    refuses any other): inside one, ours hands over nothing. Its sub-connectors'
+    configs carry their own class names, so the previous guard (the config's
+    kv_connector) handed it over there too."""
+    got = checks["--handshake"]
+    assert got["alone"] == {"tcp://127.0.0.1:9": "0.5.7"}
+    assert got["in_multi"] is None and got["no_group"] is None
