@@ -148,7 +148,9 @@ def kv_events(records: list[tuple[str, Any, int, int]], block_size: int) -> list
     "removed", request, first block, end block)``): ``BlockStored`` / ``BlockRemoved``
     on medium ``CPU`` (the server's host memory) under vLLM's own block hashes of the
     request, with the token ids, parent hash, LoRA and extra keys (the cache salt)
-    vLLM's own GPU events carry for the same blocks (``v1/core/block_pool.py``), so a
+    vLLM's own GPU events carry for the same blocks (``v1/core/block_pool.py``), and,
+    where the release's events have them, the KV-cache group (0: the connector runs
+    with one group) and the request's session, as vLLM fills them there, so a
     KV-aware router can match them. Blocks vLLM has not hashed (no prefix caching)
     are left out."""
     from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
@@ -165,7 +167,8 @@ def kv_events(records: list[tuple[str, Any, int, int]], block_size: int) -> list
         end = first + len(hashes)
         converted = [convert(h) for h in hashes]
         if kind == "removed":
-            out.append(BlockRemoved(block_hashes=converted, medium=MEDIUM_CPU))
+            out.append(BlockRemoved(block_hashes=converted, medium=MEDIUM_CPU,
+                                    **_known(BlockRemoved, group_idx=0)))
             continue
         keys = None
         if extra is not None and to_event is not None:
@@ -181,5 +184,13 @@ def kv_events(records: list[tuple[str, Any, int, int]], block_size: int) -> list
             parent_block_hash=convert(request.block_hashes[first - 1]) if first else None,
             token_ids=tokens, block_size=block_size,
             lora_id=lora.adapter_id if lora else None, medium=MEDIUM_CPU,
-            lora_name=lora.name if lora else None, extra_keys=keys))
+            lora_name=lora.name if lora else None, extra_keys=keys,
+            **_known(BlockStored, group_idx=0,
+                     session_id=getattr(request, "session_id", None))))
     return out
+
+
+def _known(event_type: Any, **fields: Any) -> dict[str, Any]:
+    """The ``fields`` this release's event type has (msgspec's ``__struct_fields__``)."""
+    have = set(getattr(event_type, "__struct_fields__", ()))
+    return {k: v for k, v in fields.items() if k in have}

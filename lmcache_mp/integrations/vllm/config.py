@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import InvalidArgument, ProtocolMismatch
-from ...keys import SALT_FORBIDDEN_CHARS, SALT_MAX_LEN
+from ...keys import SALT_FORBIDDEN_CHARS, SALT_MAX_LEN, CacheKey
 from ...protocol import PROFILES, get_profile
 
 __all__ = ["ConnectorConfig", "RankPlacement", "placement", "salt_usable", "SAME_AS_OURS",
@@ -85,6 +85,13 @@ class ConnectorConfig:
     #: before it goes on as a miss (queue time does not count). The read locks that
     #: lookup takes are freed once the server answers.
     l2_load_timeout: float = 5.0
+    #: The servers' read-lock lifetime (LMCache's ``--l1-read-ttl-seconds``, 300 by
+    #: default): the chunks a lookup found stay locked for its RETRIEVE this long. A
+    #: request whose lookup answered more than half of it ago (queued that long, an
+    #: eager lookup) is looked up again when vLLM asks for its hit, so that its
+    #: RETRIEVE never finds its chunks unlocked and evicted (a failed load: under
+    #: vLLM's ``fail`` policy, a failed request).
+    read_lock_ttl: float = 300.0
     #: The servers' wire family ("auto": probed by each process that connects, which
     #: leaves a few ERROR lines in the server's log on some releases; "0.5.3", "0.5.5",
     #: "0.5.6" or "0.5.7": no probe). ``lmcache-mp info URL`` prints the value to set.
@@ -109,7 +116,8 @@ class ConnectorConfig:
         known = {"server_urls", "host", "port", "mq_timeout", "heartbeat_interval",
                  "mp_transfer_mode", "save_decode_cache", "transfer_timeout",
                  "lookup_timeout", "lookup_wait", "health_interval", "protocol",
-                 "eager_prefetch", "l2_load_timeout", "weights_version", "clear_on_reset"}
+                 "eager_prefetch", "l2_load_timeout", "weights_version", "clear_on_reset",
+                 "read_lock_ttl"}
         for k in sorted(raw):
             refused = next((why for p, why in REFUSED.items() if k.startswith(p)), None)
             if refused is not None:
@@ -142,6 +150,9 @@ class ConnectorConfig:
                 raise InvalidArgument(
                     f"{PREFIX}protocol must be 'auto' or one of {sorted(PROFILES)} (the "
                     f"family `lmcache-mp info URL` prints), got {protocol!r}") from None
+        weights_version = str(raw.get("weights_version", "") or "")
+        if weights_version:
+            _check_model_name(cls(weights_version=weights_version).keyed_model_name("m"))
         return cls(
             protocol=protocol,
             server_urls=urls,
@@ -155,7 +166,8 @@ class ConnectorConfig:
             health_interval=_seconds(raw, "health_interval", cls.health_interval),
             eager_prefetch=_bool(raw.get("eager_prefetch", cls.eager_prefetch)),
             l2_load_timeout=_seconds(raw, "l2_load_timeout", cls.l2_load_timeout),
-            weights_version=str(raw.get("weights_version", "") or ""),
+            read_lock_ttl=_seconds(raw, "read_lock_ttl", cls.read_lock_ttl),
+            weights_version=weights_version,
             clear_on_reset=_bool(raw.get("clear_on_reset", False)),
         )
 
@@ -163,6 +175,18 @@ class ConnectorConfig:
         """The model name the servers see: vLLM's ``model_config.model``, with the
         weights version when one is set (``weights_version``)."""
         return f"{model}##weights-{self.weights_version}" if self.weights_version else model
+
+
+def _check_model_name(name: str) -> None:
+    """Refuse a weights version the servers' keys cannot carry (LMCache's L2 adapters
+    split keys at '@'), at start, instead of every request bypassing the cache."""
+    try:
+        CacheKey(model_name=name, world_size=1, worker_id=None, token_ids=[], start=0,
+                 end=0, request_id="check")
+    except InvalidArgument as err:
+        raise InvalidArgument(f"{PREFIX}weights_version cannot be part of the model name "
+                              f"the servers see ({err}): use letters, digits, '.', '-' "
+                              f"or '_'") from None
 
 
 def _urls(raw: Mapping[str, Any]) -> tuple[str, ...]:

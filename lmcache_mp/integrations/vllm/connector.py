@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from ...client import Client
@@ -53,6 +54,18 @@ class LMCacheMPClientMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, step: StepOps) -> None:
         self.step = step
+
+
+class FailedStores(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """STOREs a worker could not make in a step (vLLM's request id, start, end),
+    united over the ranks by vLLM (``aggregate``) for the scheduler side, which
+    withdraws the ``BlockStored`` events it published for them."""
+
+    def __init__(self, failed: set[tuple[str, int, int]]) -> None:
+        self.failed = failed
+
+    def aggregate(self, other: Any) -> FailedStores:
+        return FailedStores(self.failed | getattr(other, "failed", set()))
 
 
 class ProtocolFamilies(KVConnectorHandshakeMetadata):  # type: ignore[misc]
@@ -117,6 +130,9 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                     "enable_kv_cache_events", False)),
                 lookup_tp_size=max(1, tp // n), block_size=self.block_size, mla=self.mla,
                 kv_role=str(self._kv_transfer_config.kv_role or "kv_both"),
+                # An idle DP rank runs a dummy batch after its step, whose collectives
+                # the other ranks' forward passes wait for: no wait for loads there.
+                idle_waits=int(getattr(pc, "data_parallel_size", 1) or 1) == 1,
                 # Its first health check waits for the workers' protocol families
                 # (set_xfer_handshake_metadata), or runs when a lookup first needs it.
                 initial_check=False)
@@ -198,6 +214,12 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
 
+    def build_connector_worker_meta(self) -> FailedStores | None:
+        """This rank's STOREs that failed or were skipped since the last step, for the
+        scheduler side (its KV events: ``take_events``)."""
+        failed = self.worker.failed_stores() if self.worker is not None else set()
+        return FailedStores(failed) if failed else None
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
@@ -264,7 +286,9 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self.scheduler is not None
         self.scheduler.update_connector_output(
             connector_output.finished_recving, connector_output.finished_sending,
-            getattr(connector_output, "invalid_block_ids", None))
+            getattr(connector_output, "invalid_block_ids", None),
+            getattr(getattr(connector_output, "kv_connector_worker_meta", None), "failed",
+                    None))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -32,6 +32,10 @@ class TransferOp:
     #: The request id on the wire (the server's session of this request instance);
     #: vLLM's ``request_id`` names the request to vLLM. Empty: the same.
     session_id: str = ""
+    #: RETRIEVE: blocks vLLM counts as loaded that no whole chunk of the range covers
+    #: (vLLM granted less than the hit, ending inside a chunk): reported failed with
+    #: the load, so vLLM computes them instead of reading what they held.
+    unloaded_block_ids: tuple[int, ...] = ()
 
     @property
     def wire_id(self) -> str:
@@ -70,7 +74,9 @@ class StepOps:
     #: The step schedules no tokens (vLLM runs no forward pass: every request is
     #: waiting, e.g. for its load): the workers wait for the loads in flight before
     #: reporting, so a warm request is scheduled in the next step instead of a poll or
-    #: two later (worker.py ``IDLE_LOAD_WAIT_S``).
+    #: two later (worker.py ``IDLE_LOAD_WAIT_S``). Never set under data parallelism:
+    #: an idle DP rank runs a dummy batch right after the step, whose collectives every
+    #: other DP rank's forward pass waits for.
     idle: bool = False
 
     def retrieves(self) -> list[TransferOp]:

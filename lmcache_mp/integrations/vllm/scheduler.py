@@ -63,13 +63,17 @@ from .config import ConnectorConfig, salt_usable
 from .ops import StepOps, TransferOp
 from .stats import Counters
 
-__all__ = ["SchedulerSide", "State", "SETTLE_S"]
+__all__ = ["SchedulerSide", "State", "SETTLE_S", "LOOKUP_REFRESH_FRACTION"]
 
 log = logging.getLogger("lmcache_mp")
 
 #: How long a lookup whose answer timed out is asked again for the locks it took
 #: (the servers drop unreleased read locks after 300 s anyway).
 SETTLE_S = 60.0
+#: A lookup answered longer ago than this fraction of the servers' read-lock
+#: lifetime (``lmcache.mp.read_lock_ttl``) is made again before vLLM allocates for its
+#: hit: the rest covers vLLM's allocation, the RETRIEVE and a busy server.
+LOOKUP_REFRESH_FRACTION = 0.5
 
 
 class State(enum.Enum):
@@ -110,6 +114,15 @@ class Tracker:
     asked: float = 0.0                # when vLLM first asked for its hit (the L2 wait)
     hit: int | None = None            # tokens cached on every server (None: not known)
     vllm_hit: int = 0
+    #: The tokens vLLM had computed when it asked for the hit (``vllm_hit`` is that,
+    #: rounded down to a block) and the external tokens offered it: vLLM 0.34 may
+    #: grant fewer (``update_state_after_alloc``).
+    local: int = 0
+    offered: int = 0
+    #: Where the RETRIEVE ends: the hit, or the last whole chunk vLLM granted.
+    load_end: int = 0
+    #: Blocks vLLM counts as loaded that no whole chunk covers (``TransferOp``).
+    unloaded_blocks: tuple[int, ...] = ()
     stored: int = 0                   # tokens [0, stored) need no STORE
     scheduled: int = 0
     #: Tokens vLLM had computed when it first scheduled the request (its
@@ -134,6 +147,12 @@ class Tracker:
     #: would otherwise look up, load and fail again, forever, while the server
     #: answers lookups but the load cannot work); it computes, and stores, what it needs.
     load_failed: bool = False
+    #: Keyed before a cache reset (:meth:`SchedulerSide.reset`) while holding blocks, or
+    #: told a hit vLLM may have allocated for already: it finishes on what it holds (a
+    #: load under the key it was looked up with), and orders no more STOREs (its KV is
+    #: the old weights'); asked for its hit again (vLLM had not allocated), it is
+    #: looked up afresh.
+    frozen: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -143,13 +162,15 @@ class Tracker:
 class SchedulerSide:
     """``clients`` maps each server URL to a lmcache_mp ``Client`` (or a fake);
     ``kv_world_size`` is the KV world size each server sees; ``kv_role`` vLLM's
-    (``kv_both``, ``kv_producer``: stores only, ``kv_consumer``: loads only)."""
+    (``kv_both``, ``kv_producer``: stores only, ``kv_consumer``: loads only);
+    ``idle_waits``: whether a step without a forward pass lets the workers wait for the
+    loads in flight (``StepOps.idle``: not under data parallelism)."""
 
     def __init__(self, cfg: ConnectorConfig, clients: dict[str, Any], *, model_name: str,
                  kv_world_size: int, block_size: int, lookup_tp_size: int = 1,
                  mla: bool = False, start_health: bool = True,
                  kv_role: str = "kv_both", initial_check: bool = True,
-                 events: bool = False) -> None:
+                 events: bool = False, idle_waits: bool = True) -> None:
         self.cfg = cfg
         self.clients = clients
         self.model_name = model_name
@@ -161,12 +182,16 @@ class SchedulerSide:
         self.mla = mla
         self.loads = kv_role != "kv_producer"
         self.stores = kv_role != "kv_consumer"
+        self.idle_waits = idle_waits
         self.trackers: dict[str, Tracker] = {}
         self._chunk_size: int | None = None
         self.healthy = {url: False for url in clients}
         self._background: list[Any] = []  # fire-and-forget futures, reaped each step
         #: Until when (monotonic) this step's lookups may wait for answers (0: not set).
         self._wait_until = 0.0
+        #: The same for ``may_load`` (vLLM asks it as it queues requests, between
+        #: steps): one budget per step interval, apart from the step's own.
+        self._admit_until = 0.0
         #: Finished requests the workers must report "finished sending" (next step).
         self._held: list[str] = []
         #: Sessions whose token ids the workers may drop (next step).
@@ -183,9 +208,11 @@ class SchedulerSide:
         #: ("stored" | "removed", vLLM's request, first block, end block).
         self.events = events
         self._events: list[tuple[str, Any, int, int]] = []
-        #: vLLM's cache resets so far (:meth:`reset`): every key made after the n-th
-        #: carries it in its cache salt, so nothing stored before is loaded again.
+        #: vLLM's cache resets so far (:meth:`reset`), and the tag every key made since
+        #: the last one carries in its cache salt (random: a count would collide with
+        #: another engine's on the same server), so nothing stored before is loaded.
         self.generation = 0
+        self._reset_tag = ""
         self._stop = threading.Event()
         self._health_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -237,21 +264,34 @@ class SchedulerSide:
         return self.chunk_size is not None and all(self.healthy.values())
 
     def shutdown(self) -> None:
-        """Stop the health probes; end the sessions still waiting for their frees
-        (within ``lookup_timeout``)."""
+        """Stop the health probes; release what every request still holds on the
+        servers, queued ones included (an eager lookup's read locks, its session), and
+        end their sessions (within ``lookup_timeout``)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self.cfg.health_interval + 5)
+        live, self.trackers = list(self.trackers.values()), {}
+        for t in live:
+            self._end(t)
         deadline = time.monotonic() + self.cfg.lookup_timeout
         while self._finishing and time.monotonic() < deadline:
             for t in self._finishing:
-                # No more steps (the workers are done or gone).
-                t.state, t.load_ordered, t.sending = State.READY, False, False
-                for lk in t.lookups.values():
-                    lk.settle_until = 0.0
+                # No more steps (the workers are done or gone): a RETRIEVE still to
+                # order never goes out, so the locks it would have released are freed.
+                if t.state is State.LOADING:
+                    self._abandon_load(t)
+                t.load_ordered, t.sending = False, False
             self._advance_finishing()
             if self._finishing:
                 time.sleep(0.01)
+
+    def _abandon_load(self, t: Tracker) -> None:
+        """A LOADING request whose RETRIEVE will not be ordered: free the read locks
+        it would have released."""
+        chunk = self._chunk_size or 1
+        t.state = State.READY
+        for url in self.clients:
+            self._free(url, t, t.vllm_hit // chunk * chunk, t.load_end)
 
     # -------------------------------------------------------------- trackers
     def _base_key(self, tokens: Any, session_id: str, salt: str) -> CacheKey:
@@ -271,15 +311,20 @@ class SchedulerSide:
             # (same session id); one whose load failed is not loaded again.
             log.debug("lmcache_mp connector: request %s was preempted; looking it up "
                       "again", request.request_id)
-            load_failed, session_id, t = t.load_failed, t.session_id, None
+            load_failed, session_id, old, t = t.load_failed, t.session_id, t, None
+            if old.state is not State.BYPASS and old.salt != self.wire_salt(request):
+                # Keyed afresh since (a cache reset): the server's session keeps the
+                # chunk hashes of the old key, so the old session ends, a new one starts.
+                self._end(dataclasses.replace(old, state=State.READY, load_ordered=False,
+                                              sending=False))
+                session_id = None
         else:
             load_failed = False
         if t is None:
-            salt = getattr(request, "cache_salt", None) or ""
             if session_id is None:
                 session_id = self._new_session(request.request_id)
-            reason = _bypass_reason(request, salt)
-            salt = self._wire_salt(salt)
+            reason = _bypass_reason(request, getattr(request, "cache_salt", None) or "")
+            salt = self.wire_salt(request)
             key = None
             if reason is None:
                 try:
@@ -299,15 +344,17 @@ class SchedulerSide:
     def _new_session(self, request_id: str) -> str:
         return f"{request_id}~{self._session_nonce}{next(self._session_count):x}"
 
-    def _wire_salt(self, salt: str) -> str:
-        """The cache salt a request's keys carry: its own, and after a cache reset the
-        reset's generation (within LMCache's 128 characters: a long salt is hashed)."""
-        if not self.generation:
+    def wire_salt(self, request: Any) -> str:
+        """The cache salt a request's keys carry: its own, its LoRA adapter's identity
+        (:func:`_lora_tag`) and, after a cache reset, the reset's tag (within LMCache's
+        128 characters: a long salt is hashed)."""
+        salt = getattr(request, "cache_salt", None) or ""
+        tags = _lora_tag(request) + self._reset_tag
+        if not tags:
             return salt
-        tag = f"#reset{self.generation}"
-        if len(salt) + len(tag) > SALT_MAX_LEN:
+        if len(salt) + len(tags) > SALT_MAX_LEN:
             salt = "h" + hashlib.sha256(salt.encode()).hexdigest()[:40]
-        return salt + tag
+        return salt + tags
 
     # ------------------------------------------------------- vLLM 0.34's queries
     def has_pending_block_frees(self) -> bool:
@@ -315,16 +362,21 @@ class SchedulerSide:
         return bool(self._held) or any(t.sending for t in self._finishing)
 
     def may_load(self, request: Any) -> bool:
-        """Whether ``request`` may load from the servers; cheap (vLLM asks whenever it
-        queues a request): its lookup's answer if in, else whether it is looked up."""
+        """Whether ``request`` will load from the servers: only a known hit says yes (a
+        false yes holds vLLM's other asynchronous loads back). vLLM asks under
+        ``--max-num-inflight-kv-loads`` only, as it queues the request, right after
+        ``on_new_request`` sent its lookup: the answer is waited for within
+        ``lookup_wait`` (one budget for the requests queued between two steps; a local
+        server answers within it); a request not looked up yet says no."""
         t = self.trackers.get(request.request_id)
-        if not self.loads or skips_external_kv(request) or (t is not None and (
-                t.state is State.BYPASS or t.no_reads)):
+        if (not self.loads or skips_external_kv(request) or t is None
+                or t.state is State.BYPASS or t.no_reads):
             return False
-        if t is not None and t.hit is not None:
-            return t.hit > 0
-        return not self._checked or (self._chunk_size is not None
-                                     and all(self.healthy.values()))
+        if t.hit is None and t.state is State.LOOKUP and t.lookups:
+            if not self._admit_until:
+                self._admit_until = time.monotonic() + self.cfg.lookup_wait
+            self._advance_lookup(t, self._admit_until)
+        return (t.hit or 0) > 0
 
     def take_events(self) -> list[tuple[str, Any, int, int]]:
         events, self._events = self._events, []
@@ -334,41 +386,37 @@ class SchedulerSide:
     def reset(self) -> bool:
         """vLLM's ``reset_cache``: ``LLM.sleep`` (its ``reset_connector`` is True by
         default), a pause that clears caches, a weight update. From now on this
-        engine's keys carry a new generation in their cache salt, so it never loads
+        engine's keys carry a new random tag in their cache salt, so it never looks up
         anything stored before, the old weights' KV and stores still in flight
-        included; another engine loads those only with the same salt and generation
-        0 (an engine on the old weights; one started with new weights sets
-        ``lmcache.mp.weights_version``). Nothing is deleted unless
-        ``lmcache.mp.clear_on_reset``, whose CLEAR drops every model's unlocked
-        entries on every server. Live requests: one still to be looked up starts
-        afresh; one whose blocks wait for a load gets it under the new key (nothing
-        there yet: the load fails and vLLM computes them); one computing stores under
-        the new key. Each old server session is ended and its read locks freed.
-        True (a CLEAR that fails is logged: the generation alone keeps old KV out)."""
+        included, nor what any other engine stores (a count of resets would collide
+        with another engine's); another engine loads the old entries only with the same
+        salt and no reset (an engine on the old weights; engines started with new
+        weights share theirs through ``lmcache.mp.weights_version``). Nothing is
+        deleted unless ``lmcache.mp.clear_on_reset``, whose CLEAR drops every model's
+        unlocked entries on every server. Live requests: one still to be looked up
+        starts afresh (its lookup's locks freed, its session ended); one holding blocks
+        (vLLM did not preempt it) finishes on what it holds, a load already looked up
+        included (under the key it was looked up with: its locks are that key's), and
+        stores nothing more (its KV is the old weights'); a preempted one is keyed
+        afresh when scheduled again. True (a CLEAR that fails is logged: the tag alone
+        keeps old KV out)."""
         self.generation += 1
-        chunk = self._chunk_size or 1
+        self._reset_tag = f"#r-{uuid.uuid4().hex[:12]}"
         for t in list(self.trackers.values()):
             if t.state is State.BYPASS or t.key is None:
                 continue
-            if t.state is State.LOOKUP:  # its lookup's locks freed; looked up afresh
+            if t.state is State.LOOKUP and not t.offered:
                 del self.trackers[t.request_id]
                 self._end(t)
-                continue
-            # The old session (its locks, END_SESSION) leaves as a finished request.
-            old = dataclasses.replace(t, state=State.READY, load_ordered=False,
-                                      sending=False, frees=[])
-            t.lookups = {}
-            if t.state is State.LOADING:  # the locks its RETRIEVE would have released
-                for url in self.clients:
-                    self._free(url, old, t.vllm_hit // chunk * chunk, t.hit or 0)
-            self._end(old)
-            t.session_id = self._new_session(t.request_id)
-            t.salt = self._wire_salt(getattr(t.request, "cache_salt", None) or "")
-            t.key = self._base_key(t.request.all_token_ids, t.session_id, t.salt)
+            else:
+                # vLLM 0.34 may have allocated for an offered hit already and call
+                # update_state_after_alloc a step later (deferred async loads): that
+                # load must still be ordered, or vLLM waits for it forever.
+                t.frozen = True
         if self.cfg.clear_on_reset:
             self._clear_servers()
-        log.info("lmcache_mp connector: cache reset (generation %d): nothing stored "
-                 "before is loaded by this engine%s", self.generation,
+        log.info("lmcache_mp connector: cache reset (%d, salt tag %s): nothing stored "
+                 "before is looked up by this engine%s", self.generation, self._reset_tag,
                  "; CLEAR sent to every server" if self.cfg.clear_on_reset else "")
         return True
 
@@ -401,11 +449,7 @@ class SchedulerSide:
             return
         t = self._tracker(request)
         if t.state is State.LOOKUP and not t.lookups and t.hit is None:
-            wait_until, self._wait_until = self._wait_until, 0.0  # send, do not wait
-            try:
-                self._advance_lookup(t)
-            finally:
-                self._wait_until = wait_until
+            self._advance_lookup(t, 0.0)  # send, do not wait
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -424,15 +468,19 @@ class SchedulerSide:
                 t.block_ids.clear()
                 t.vllm_hit = num_computed_tokens - num_computed_tokens % self.block_size
             return 0, False
+        if t.frozen or (t.lookups and time.monotonic() - t.lookup_sent > (
+                self.cfg.read_lock_ttl * LOOKUP_REFRESH_FRACTION)):
+            t = self._look_up_again(request, t)
         if t.hit is None:
             t.asked = t.asked or time.monotonic()
             if not self._wait_until:
                 # One budget per scheduler step, shared by its requests' lookups.
                 self._wait_until = time.monotonic() + self.cfg.lookup_wait
-            self._advance_lookup(t)
+            self._advance_lookup(t, self._wait_until)
             if t.hit is None:
                 return None, True
         hit = t.hit
+        t.local = num_computed_tokens
         t.vllm_hit = num_computed_tokens - num_computed_tokens % self.block_size
         t.stored = hit
         if hit == 0:
@@ -440,11 +488,26 @@ class SchedulerSide:
         need = max(0, hit - num_computed_tokens)
         if hit == t.num_tokens:
             need = max(0, need - 1)  # vLLM must compute at least the last token
+        t.offered = need
         return need, need > 0
 
-    def _advance_lookup(self, t: Tracker) -> None:
+    def _look_up_again(self, request: Any, t: Tracker) -> Tracker:
+        """A lookup made before a cache reset (``Tracker.frozen``), or answered long
+        ago (the request queued, or was looked up eagerly, over half the servers'
+        read-lock lifetime before vLLM got to it: its chunks' locks may have expired
+        and the chunks been evicted, and its RETRIEVE would fail). Its locks are freed
+        and its session ended, and it is looked up afresh under a new session (the
+        server keeps one lookup per session)."""
+        log.debug("lmcache_mp connector: the lookup of %s is %.0f s old (read locks "
+                  "last %g s) or before a reset: looking it up again", t.request_id,
+                  time.monotonic() - t.lookup_sent, self.cfg.read_lock_ttl)
+        del self.trackers[t.request_id]
+        self._end(t)
+        return self._tracker(request)
+
+    def _advance_lookup(self, t: Tracker, wait_until: float) -> None:
         """Send the lookups, or collect their answers, waiting for them at most until
-        the step's ``lookup_wait`` budget is spent."""
+        ``wait_until`` (monotonic; the step's ``lookup_wait`` budget)."""
         chunk = self.chunk_size
         if not t.lookups:
             end = 0 if chunk is None else t.num_tokens // chunk * chunk
@@ -469,7 +532,7 @@ class SchedulerSide:
                 break
             # A local server answers in about a millisecond: waiting that long here
             # saves the request the scheduler steps of "not yet" (bounded per step).
-            left = self._wait_until - time.monotonic()
+            left = wait_until - time.monotonic()
             if left <= 0 or not waiting.wait(left):
                 return
         assert chunk is not None
@@ -542,6 +605,11 @@ class SchedulerSide:
         client = self.clients[url]
         try:
             if lk.query is None:
+                if lk.submit is None:
+                    lk.settle_until = 0.0  # its LOOKUP never went out: nothing locked
+                    return
+                if not lk.submit.done():
+                    return  # asked once the server took the LOOKUP
                 lk.query = client.query_prefetch_status_async(
                     t.session_id, timeout=self.cfg.lookup_timeout)
             if not lk.query.done():
@@ -585,20 +653,39 @@ class SchedulerSide:
         chunk = self.chunk_size or 1
         loading = num_external_tokens > 0 and hit > t.vllm_hit
         t.state = State.LOADING if loading else State.READY
+        if not loading:
+            for url in self.clients:
+                self._free(url, t, 0, hit)
+            return
         # vLLM's own prefix cache covers [0, vllm_hit): those chunks' locks are not
         # needed (a partly covered chunk is retrieved, which releases its lock).
-        free_end = t.vllm_hit // chunk * chunk if loading else hit
-        if free_end > 0:
-            for url in self.clients:
-                self._free(url, t, 0, free_end)
+        start = t.vllm_hit // chunk * chunk
+        t.load_end = hit
+        if num_external_tokens < t.offered:
+            # vLLM granted fewer tokens than offered (0.34 may trim a hit) and
+            # allocated blocks for those only: the RETRIEVE covers the whole chunks
+            # within the grant; granted tokens past them no chunk can cover (LMCache
+            # moves whole chunks), so their blocks are reported failed with the load.
+            granted = t.local + num_external_tokens
+            t.load_end = max(start, granted // chunk * chunk)
+            bs = self.block_size
+            t.unloaded_blocks = tuple(t.block_ids[max(t.load_end, t.vllm_hit) // bs:
+                                                  -(-granted // bs)])
+            log.debug("lmcache_mp connector: vLLM granted %s %d of the %d tokens "
+                      "offered: loading up to %d", t.request_id, num_external_tokens,
+                      t.offered, t.load_end)
+        for url in self.clients:
+            self._free(url, t, 0, start)
+            self._free(url, t, t.load_end, hit)
 
     # ------------------------------------------------------------------ steps
     def build_step(self, scheduler_output: Any) -> StepOps:
         self._background = [f for f in self._background if not f.done()]
-        self._wait_until = 0.0  # the next step's lookups may wait again
+        self._wait_until = self._admit_until = 0.0  # the next step's may wait again
         step = StepOps(preempted=sorted(getattr(scheduler_output, "preempted_req_ids",
                                                 None) or ()),
-                       idle=getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0)
+                       idle=self.idle_waits and getattr(
+                           scheduler_output, "total_num_scheduled_tokens", 1) == 0)
         step.held, self._held = self._held, []
         step.forget, self._forget = self._forget, []
         for t in [*self.trackers.values(), *self._finishing]:
@@ -640,8 +727,12 @@ class SchedulerSide:
         chunk = self.chunk_size
         assert chunk is not None and t.hit is not None
         start = t.vllm_hit // chunk * chunk
-        op = TransferOp("RETRIEVE", t.request_id, start, t.hit, self._blocks(t, start, t.hit),
-                        t.salt, t.vllm_hit - start, t.session_id)
+        end = max(start, t.load_end)
+        op = TransferOp("RETRIEVE", t.request_id, start, end, self._blocks(t, start, end),
+                        t.salt, min(end, t.vllm_hit) - start, t.session_id,
+                        unloaded_block_ids=t.unloaded_blocks)
+        # What vLLM is told failed if the load fails (the unloaded blocks are
+        # reported too, but are no failure of the cache).
         t.load_blocks = frozenset(op.written_block_ids)
         return op
 
@@ -660,7 +751,7 @@ class SchedulerSide:
 
     def _store_op(self, t: Tracker) -> TransferOp | None:
         chunk = self.chunk_size
-        if t.state is State.BYPASS or not self.stores or chunk is None:
+        if t.state is State.BYPASS or not self.stores or chunk is None or t.frozen:
             return None
         if not self.cfg.save_decode_cache and t.stored + chunk > t.num_prompt_tokens:
             return None  # every whole prompt chunk ordered: a decode step's usual answer
@@ -698,16 +789,31 @@ class SchedulerSide:
     # -------------------------------------------------------------- finishing
     def update_connector_output(self, finished_recving: Iterable[str] | None,
                                 finished_sending: Iterable[str] | None = None,
-                                invalid_block_ids: Iterable[int] | None = None) -> None:
+                                invalid_block_ids: Iterable[int] | None = None,
+                                failed_stores: Iterable[tuple[str, int, int]] | None = None
+                                ) -> None:
         """The workers' reports of a step (all ranks): loads that are done, held
-        requests whose stores are done, and the blocks of failed loads (a request
-        whose load failed is never loaded again: ``Tracker.load_failed``)."""
+        requests whose stores are done, the blocks of failed loads (a request whose
+        load failed is never loaded again: ``Tracker.load_failed``), and STOREs that
+        failed or were skipped on some rank (vLLM's request id, start, end: their
+        ``BlockStored`` events are withdrawn)."""
         done = set(finished_recving or ())
         sent = set(finished_sending or ())
         invalid = set(invalid_block_ids or ())
+        failed = set(failed_stores or ())
+        if failed and self.events:
+            requests = {t.request_id: t.request for t in [*self._finishing,
+                                                          *self.trackers.values()]}
+            for rid, start, end in sorted(failed):
+                if requests.get(rid) is not None:
+                    self._events.append(("removed", requests[rid], start // self.block_size,
+                                         end // self.block_size))
         if done or sent or invalid:
             for t in [*self.trackers.values(), *self._finishing]:
-                if invalid and not t.load_failed and t.load_blocks & invalid:
+                # Only a request whose load is in flight: a block it loaded into
+                # before (and has since lost to a preemption) may be another's now.
+                if invalid and t.load_ordered and not t.load_failed \
+                        and t.load_blocks & invalid:
                     # Once per request (a rank's report may come a step before the
                     # others'): the workers logged why the load failed.
                     t.load_failed = True
@@ -718,12 +824,12 @@ class SchedulerSide:
                     if self.events and t.request is not None:  # what it could not load
                         self._events.append(("removed", t.request,
                                              t.vllm_hit // self.block_size,
-                                             (t.hit or 0) // self.block_size))
+                                             t.load_end // self.block_size))
                     log.warning("lmcache_mp connector: request %s is recomputed without "
                                 "the cache: its KV load failed (the workers say why); it is "
                                 "not loaded from the cache again", t.request_id)
                 if t.request_id in done:
-                    t.load_ordered = False
+                    t.load_ordered, t.load_blocks = False, frozenset()
                 if t.request_id in sent:
                     t.sending = False
             self._advance_finishing()
@@ -747,13 +853,17 @@ class SchedulerSide:
         that is done (:meth:`_advance_finishing`)."""
         if t.state is State.LOOKUP and t.lookups:
             # Finished (aborted) before its blocks were allocated: release the locks
-            # its lookup took (all it may take while the answer is not in).
+            # its lookup took. One not answered yet (the server may still be loading
+            # from its second tier) is asked how many first, as a timed-out one is: a
+            # FREE of chunks it did not lock would release other requests' locks
+            # (0.5.3), and one sent while its prefetch runs frees nothing (0.5.6+).
             for url, lk in t.lookups.items():
                 if lk.settle_until:
                     continue  # freed when the server answers
-                chunks = lk.chunks if lk.chunks is not None else t.lookup_end // (
-                    self.chunk_size or 1)
-                self._free(url, t, 0, chunks * (self.chunk_size or 1))
+                if lk.chunks is None:
+                    lk.settle_until = time.monotonic() + SETTLE_S
+                else:
+                    self._free(url, t, 0, lk.chunks * (self.chunk_size or 1))
         if t.state is not State.BYPASS:
             # A LOADING tracker's RETRIEVE is still ordered (next step): vLLM waits
             # for its report, and the RETRIEVE consumes the lookup's read locks.
@@ -792,6 +902,20 @@ def _try(submit: Callable[[], Any]) -> Any:
     except LMCacheMPError as err:
         log.warning("lmcache_mp connector: %s", err)
         return None
+
+
+def _lora_tag(request: Any) -> str:
+    """What a LoRA request adds to its cache salt: a digest of the adapter's name and
+    path, what vLLM puts in its own block hashes (0.32-0.34 ``kv_cache_utils``
+    ``_gen_lora_extra_hash_keys``): the KV an adapter computes differs from the base
+    model's and from another adapter's, for the same tokens. "" without an adapter."""
+    lora = getattr(request, "lora_request", None)
+    if not lora:
+        return ""
+    name = getattr(lora, "lora_name", None) or getattr(lora, "name", "")
+    path = getattr(lora, "lora_path", None) or getattr(lora, "path", "")
+    digest = hashlib.sha256(f"{name}\0{path}".encode()).hexdigest()[:16]
+    return f"#lora-{digest}"
 
 
 def _bypass_reason(request: Any, salt: str) -> str | None:

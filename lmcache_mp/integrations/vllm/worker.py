@@ -105,6 +105,22 @@ class _Background:
         return bool(reply.wait(max(0.0, deadline - time.monotonic())))
 
 
+class _Done:
+    """A transfer with nothing to move: done, successful."""
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> bool:
+        return True
+
+    def wait(self, seconds: float) -> bool:
+        return True
+
+
+_NOTHING_TO_MOVE = _Done()
+
+
 class WorkerSide:
     """``client``: a lmcache_mp ``Client`` for this rank's server (or a fake);
     ``register``: makes the registration once the KV caches are known."""
@@ -125,12 +141,17 @@ class WorkerSide:
         self.block_size = 0
         #: The CUDA stream of transfers: None is torch's current stream at each call.
         self.stream: Any = None
-        #: Per request: (future or None if not sent, block ids, tokens, submitted at).
-        self._loads: dict[str, list[tuple[Any, tuple[int, ...], int, float]]] = {}
-        #: Per request: (future, tokens, submitted at).
-        self._stores: dict[str, list[tuple[Any, int, float]]] = {}
+        #: Per request: (future or None if not sent, block ids, tokens, submitted at,
+        #: blocks reported failed whatever the outcome: ``TransferOp.unloaded_block_ids``).
+        self._loads: dict[str, list[tuple[Any, tuple[int, ...], int, float,
+                                          tuple[int, ...]]]] = {}
+        #: Per request: (future, tokens, submitted at, (start, end)).
+        self._stores: dict[str, list[tuple[Any, int, float, tuple[int, int]]]] = {}
         self._held: set[str] = set()  # to report "finished sending" once stored
         self._errors: set[int] = set()
+        #: STOREs that failed or were not sent since the scheduler last took them
+        #: (vLLM's request id, start, end): their KV events are withdrawn.
+        self._failed_stores: set[tuple[str, int, int]] = set()
         #: Counters for tests and logs.
         self.stats = {"retrieved": 0, "stored": 0, "load_errors": 0, "store_errors": 0,
                       "skipped_stores": 0}
@@ -297,8 +318,10 @@ class WorkerSide:
                 self._start_load(op)
 
     def _start_load(self, op: TransferOp) -> None:
-        future = None
-        if not self._usable():
+        future: Any = None
+        if op.end <= op.start:
+            future = _NOTHING_TO_MOVE  # vLLM granted no whole chunk: unloaded blocks only
+        elif not self._usable():
             log.warning("lmcache_mp connector: RETRIEVE %s not sent: %s; vLLM "
                         "recomputes", op.request_id, self._unusable_reason())
         else:
@@ -312,7 +335,7 @@ class WorkerSide:
                             op.request_id, err)
         tokens = op.end - op.start - op.skip_first_n_tokens
         self._loads.setdefault(op.request_id, []).append(
-            (future, op.written_block_ids, tokens, time.monotonic()))
+            (future, op.written_block_ids, tokens, time.monotonic(), op.unloaded_block_ids))
 
     def start_stores(self, step: StepOps) -> None:
         self._learn(step)
@@ -329,6 +352,7 @@ class WorkerSide:
             self.stats["skipped_stores"] += 1
             self.metrics.add("skipped_stores")
             self.metrics.add("store_failures")
+            self._failed_stores.add((op.request_id, op.start, op.end))
             return
         try:
             future = self._submit(self._store_thread, self.reg.store_async, self._key(op),
@@ -338,9 +362,10 @@ class WorkerSide:
             log.warning("lmcache_mp connector: STORE %s not sent: %s", op.request_id, err)
             self.stats["store_errors"] += 1
             self.metrics.add("store_failures")
+            self._failed_stores.add((op.request_id, op.start, op.end))
             return
         self._stores.setdefault(op.request_id, []).append(
-            (future, op.end - op.start, time.monotonic()))
+            (future, op.end - op.start, time.monotonic(), (op.start, op.end)))
 
     def _one_event(self) -> contextlib.AbstractContextManager[None]:
         """LMCache-driven CUDA transfers of one batch (a step's RETRIEVEs, or its
@@ -368,8 +393,8 @@ class WorkerSide:
             for store in self._stores.pop(rid, ()):
                 self._store_done(rid, store)
 
-    def _store_done(self, rid: str, store: tuple[Any, int, float]) -> None:
-        future, tokens, submitted = store
+    def _store_done(self, rid: str, store: tuple[Any, int, float, tuple[int, int]]) -> None:
+        future, tokens, submitted, (start, end) = store
         try:
             ok = future.result()
         except LMCacheMPError as err:
@@ -382,6 +407,7 @@ class WorkerSide:
             self.metrics.observe("store_seconds", time.monotonic() - submitted)
         else:
             self.metrics.add("store_failures")
+            self._failed_stores.add((rid, start, end))
 
     # ---------------------------------------------------------------- results
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -412,7 +438,8 @@ class WorkerSide:
             loads = self._loads[rid]
             if any(f is not None and not f.done() for f, *_ in loads):
                 continue
-            for future, blocks, tokens, submitted in loads:
+            for future, blocks, tokens, submitted, unloaded in loads:
+                self._errors.update(unloaded)
                 if not self._load_ok(rid, future):
                     self._errors.update(blocks)
                     self.stats["load_errors"] += 1
@@ -452,6 +479,12 @@ class WorkerSide:
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def failed_stores(self) -> set[tuple[str, int, int]]:
+        """STOREs that failed or were not sent since the last call (for the scheduler:
+        vLLM's request id, start, end)."""
+        failed, self._failed_stores = self._failed_stores, set()
+        return failed
 
     # ----------------------------------------------------------------- closing
     def shutdown(self) -> None:

@@ -380,7 +380,8 @@ class Engine:
         def published(batch: Any) -> None:
             seen["events"].extend({"type": type(e).__name__, "medium": getattr(e, "medium", None),
                                    "hashes": [str(h) for h in getattr(e, "block_hashes", ())],
-                                   "tokens": len(getattr(e, "token_ids", ()) or ())}
+                                   "tokens": len(getattr(e, "token_ids", ()) or ()),
+                                   "group_idx": getattr(e, "group_idx", None)}
                                   for e in batch.events)
             publish(batch)
 
@@ -461,15 +462,25 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def add(self, rid: str, prompt: list[int], *, max_tokens: int = 3,
-            cache_salt: str | None = None, prompt_logprobs: int | None = None) -> None:
+            cache_salt: str | None = None, prompt_logprobs: int | None = None,
+            lora: dict[str, Any] | None = None) -> None:
+        """``lora``: ``{"name", "id", "path"}`` of a LoRA adapter, as vLLM's own
+        ``LoRARequest`` (the scheduler needs no LoRA config for it: no adapter is
+        loaded, the forward pass is the harness's)."""
         from vllm import SamplingParams
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher
         from vllm.v1.request import Request
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                 prompt_logprobs=prompt_logprobs)
+        lora_request = None
+        if lora is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora_request = LoRARequest(lora["name"], lora["id"], lora["path"])
         req = Request(request_id=rid, prompt_token_ids=list(prompt),
                       sampling_params=params, pooling_params=None, cache_salt=cache_salt,
+                      lora_request=lora_request,
                       block_hasher=get_request_block_hasher(self.block_size, self.hasher_fn))
         self.scheduler.add_request(req)
         if self.observe:
@@ -484,11 +495,16 @@ class Engine:
         self.tokens[rid] = list(prompt)
 
     def run(self, deadline_s: float = 120.0, on_step: Any = None,
-            abort: Any = ()) -> dict[str, RequestResult]:
+            abort: Any = (), reset_when_loading: Any = ()) -> dict[str, RequestResult]:
         """Step until every request finished (a wall-clock limit: in-flight transfers
         have their own deadlines, and an engine that never finishes is the failure).
         ``abort``: requests aborted (as a client disconnecting does) in the first step
-        after which they wait for their KV load (``aborted`` in their result)."""
+        after which they wait for their KV load (``aborted`` in their result).
+        ``reset_when_loading``: in the first step after which one of these requests
+        waits for its KV load, vLLM's ``reset_prefix_cache(reset_running_requests=False,
+        reset_connector=True)`` (what a weight update that keeps running requests asks;
+        vLLM's own prefix cache cannot reset with blocks in use, the connector's does),
+        its answer in ``observed["reset"]``."""
         import time as _time
 
         from vllm.v1.request import RequestStatus
@@ -496,6 +512,7 @@ class Engine:
         limit = _time.monotonic() + deadline_s
         steps = 0
         pending = set(abort)
+        resets = set(reset_when_loading)
         while self.scheduler.has_requests():
             if _time.monotonic() > limit:
                 raise RuntimeError(f"requests still unfinished after {deadline_s} s: "
@@ -508,6 +525,11 @@ class Engine:
                     self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
                     self.results[rid].aborted = True
                     pending.discard(rid)
+            if any(getattr(self.scheduler.requests.get(rid), "status", None)
+                   == RequestStatus.WAITING_FOR_REMOTE_KVS for rid in resets):
+                resets.clear()
+                self.observed["reset"] = self.scheduler.reset_prefix_cache(
+                    reset_running_requests=False, reset_connector=True)
             if on_step is not None:
                 on_step(steps)
         return self.results
@@ -677,18 +699,28 @@ class Engine:
         """Until the server's LOOKUP sees every whole prompt chunk of ``requests`` (or
         ``timeout_s``): some releases commit a STORE's chunks shortly after its reply,
         and the next engine must not start before (best effort: a request that could
-        not store, e.g. with its server down, just runs out the time)."""
+        not store, e.g. with its server down, just runs out the time). The key is the
+        connector's (its salt with the request's LoRA adapter and the last reset's
+        tag)."""
         import time as _time
+        from types import SimpleNamespace
 
         reg = getattr(self.workers[0].worker, "reg", None) if self.workers else None
         chunk = getattr(reg, "chunk_size", None)
         if reg is None or not chunk:
             return
         from lmcache_mp.errors import RequestTimeout  # an engine of ours: it is there
+        sched = self.scheduler.connector.scheduler
         limit = _time.monotonic() + timeout_s
         for r in requests:
             want = len(r["prompt"]) // chunk * chunk
-            salt = r.get("salt") or ""
+            lora = None
+            if r.get("lora"):
+                from vllm.lora.request import LoRARequest
+
+                lora = LoRARequest(r["lora"]["name"], r["lora"]["id"], r["lora"]["path"])
+            salt = sched.wire_salt(SimpleNamespace(cache_salt=r.get("salt"),
+                                                   lora_request=lora))
             if not want or "@" in salt:
                 continue
             while _time.monotonic() < limit:
@@ -735,8 +767,9 @@ def main(spec_path: str) -> None:
     ``layout`` (a KVCacheLayout name for ``VLLM_KV_CACHE_LAYOUT``), ``num_blocks`` (96),
     ``prefix_caching`` (true), ``extensible`` (vLLM 0.34's extensible cache: null, as
     vLLM decides; or true / false), ``phases``: a list of ``{"requests": [{"id",
-    "prompt", "salt"?, "max_tokens"?, "prompt_logprobs"?}], "on_step": {"N": [argv...]},
-    "on_retrieve": [argv...], "sleep_wake": bool, "abort_when_loading": [id...]}`` run
+    "prompt", "salt"?, "max_tokens"?, "prompt_logprobs"?, "lora"?: {"name", "id",
+    "path"}}], "on_step": {"N": [argv...]}, "on_retrieve": [argv...], "sleep_wake": bool,
+    "abort_when_loading": [id...], "reset_when_loading": [id...]}`` run
     one after the other on the same
     engine (``on_step`` runs a command after step N of the phase, ``on_retrieve`` when a
     step first orders a RETRIEVE, before the workers run: e.g. to stop the server
@@ -791,7 +824,7 @@ def main(spec_path: str) -> None:
             for r in phase["requests"]:
                 eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"),
                         max_tokens=r.get("max_tokens", 3),
-                        prompt_logprobs=r.get("prompt_logprobs"))
+                        prompt_logprobs=r.get("prompt_logprobs"), lora=r.get("lora"))
             hooks = {int(k): v for k, v in phase.get("on_step", {}).items()}
             later = {int(k): v for k, v in phase.get("later", {}).items()}
             if "on_retrieve" in phase:
@@ -809,7 +842,8 @@ def main(spec_path: str) -> None:
                     eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"),
                             max_tokens=r.get("max_tokens", 3))
 
-            eng.run(on_step=on_step, abort=phase.get("abort_when_loading", ()))
+            eng.run(on_step=on_step, abort=phase.get("abort_when_loading", ()),
+                    reset_when_loading=phase.get("reset_when_loading", ()))
             eng.drain()
             if which is OURS:
                 eng.wait_visible(phase["requests"])
@@ -825,7 +859,7 @@ def main(spec_path: str) -> None:
         out["requests"] = {rid: vars(r) for rid, r in eng.results.items()}
         out["preemptions"] = sum(getattr(r, "num_preemptions", 0)
                                  for r in eng.finished_requests)
-        if eng.observe or eng.observed.get("running_at_hook"):
+        if eng.observe or eng.observed.get("running_at_hook") or "reset" in eng.observed:
             out["observed"] = eng.observed
         if which is OURS:
             stats: dict[str, int] = {}
@@ -1107,11 +1141,52 @@ def handshake_check() -> dict[str, Any]:
     return out
 
 
+def data_parallel_check() -> dict[str, Any]:
+    """Whether a step that schedules no tokens lets our workers wait for their loads
+    (``StepOps.idle``), under vLLM configs of one and of two data-parallel ranks: our
+    connector as vLLM's factory creates it (scheduler role) builds the metadata of
+    vLLM's own empty ``SchedulerOutput``. Under DP an idle rank runs a dummy batch
+    right after such a step, and every other rank's collectives wait for it. One JSON
+    line."""
+    from vllm.config import (
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    model = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16")
+    out: dict[str, Any] = {}
+    for dp in (1, 2):
+        config = VllmConfig(
+            model_config=model, device_config=DeviceConfig("cpu"),
+            parallel_config=ParallelConfig(data_parallel_size=dp),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=OURS[0], kv_connector_module_path=OURS[1], kv_role="kv_both",
+                kv_connector_extra_config={"lmcache.mp.server_urls": ["tcp://127.0.0.1:9"],
+                                           "lmcache.mp.protocol": "0.5.7",
+                                           "lmcache.mp.health_interval": 60}))
+        connector = KVConnectorFactory.create_connector(
+            config=config, role=KVConnectorRole.SCHEDULER, kv_cache_config=None)
+        try:
+            empty = SchedulerOutput.make_empty()
+            assert empty.total_num_scheduled_tokens == 0
+            out[f"dp{dp}"] = {"data_parallel_size": config.parallel_config.data_parallel_size,
+                              "idle": connector.build_connector_meta(empty).step.idle}
+        finally:
+            connector.shutdown()
+    return out
+
+
 #: ``python harness.py --CHECK [--CHECK ...]``: one RESULT line, ``{CHECK: its result}``
 #: (one vLLM import for them all).
 CHECKS = {"--sleep-mode": sleep_mode_check, "--kv-cache-access": kv_cache_access_check,
           "--token-buffer": token_buffer_check, "--connector-config": connector_config_check,
-          "--handshake": handshake_check}
+          "--handshake": handshake_check, "--data-parallel": data_parallel_check}
 
 if __name__ == "__main__":
     if sys.argv[1] in CHECKS:

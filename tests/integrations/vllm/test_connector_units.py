@@ -1319,29 +1319,39 @@ def test_a_retrieve_writes_only_the_blocks_after_its_skip() -> None:
 
 
 def test_a_reset_keys_every_live_request_afresh() -> None:
-    """``reset_cache`` (issue 34 item 4): a request whose blocks wait for a load gets
-    it under a key with the reset's generation in its salt and a session of its own
-    (the old session's remaining read locks freed under the old key, the session
-    ended); a request still to be looked up starts afresh; a salt too long for the
-    generation tag is hashed within LMCache's 128 characters."""
+    """``reset_cache`` (issue 34 item 4; review 34 F9): a request queued with its
+    (eager) lookup answered, vLLM not having asked for its hit yet, starts afresh (its
+    lookup's locks freed, its session ended; its new key carries the reset's tag, a
+    salt too long for it hashed within LMCache's 128 characters); a
+    request whose blocks wait for a load it was looked up for gets that load under the
+    key and session it was looked up with (whose read locks the RETRIEVE consumes),
+    and stores nothing after it (its KV is the old weights'). Before (1470964 had no
+    reset; issue 34's first version) the load went out under the new key, which holds
+    nothing: a failed load, under vLLM's ``fail`` policy a failed request."""
     c = FakeClient(hits=3)
     s = side(c)
-    loading, waiting = request(3 * CHUNK, "a"), request(3 * CHUNK, "b", salt="x" * 128)
+    loading, waiting = request(4 * CHUNK, "a"), request(3 * CHUNK, "b", salt="x" * 128)
     s.get_num_new_matched_tokens(loading, CHUNK + BS)
-    s.update_state_after_alloc(loading, list(range(1, 3 * CHUNK // BS + 1)), 2 * CHUNK - BS)
-    assert s.get_num_new_matched_tokens(waiting, 0)[0] > 0
-    old_session = s.trackers["a"].session_id
+    s.update_state_after_alloc(loading, list(range(1, 4 * CHUNK // BS + 1)), 2 * CHUNK - BS)
+    s.on_new_request(waiting)
+    a_session, b_session = s.trackers["a"].session_id, s.trackers["b"].session_id
     c.calls.clear()
+    c.sessions.clear()
     assert s.reset() is True
     assert "b" not in s.trackers  # looked up afresh when vLLM asks again
-    assert ("FREE", CHUNK, 3 * CHUNK) in c.ops("FREE")  # a's locks, under its old key
+    assert c.ops("FREE") == [("FREE", 0, 3 * CHUNK)] and c.sessions[0] == b_session
+    assert ("END", "b") in c.calls and ("END", "a") not in c.calls
     t = s.trackers["a"]
-    assert t.session_id != old_session and t.salt == "#reset1"
-    assert old_session in c.sessions and ("END", "a") in c.calls
+    assert (t.session_id, t.salt) == (a_session, "")
     (op,) = s.build_step(out({})).retrieves()
-    assert (op.cache_salt, op.session_id) == ("#reset1", t.session_id)
+    assert (op.cache_salt, op.session_id) == ("", a_session)
+    s.update_connector_output({"a"})
+    # Its last chunk computed: not stored (1470964's successor stored it under the
+    # new key, the old weights' KV in the new generation).
+    assert s.build_step(out({"a": CHUNK}, {"a": []})).stores() == []
     again = s._tracker(waiting)
-    assert again.salt.endswith("#reset1") and len(again.salt) <= 128
+    assert again.salt.startswith("h") and again.salt.endswith(s._reset_tag)
+    assert len(again.salt) <= 128 and again.session_id != b_session
 
 
 def test_a_local_hit_ending_mid_block_stores_its_last_chunk_at_once() -> None:

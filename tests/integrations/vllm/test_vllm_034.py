@@ -57,10 +57,12 @@ def server() -> Any:
 
 @pytest.fixture(scope="module")
 def checks() -> dict[str, Any]:
-    """``harness.py --kv-cache-access --token-buffer --connector-config --handshake`` under the
-    tree's python (one vLLM import for them all): ``{check: its result}``."""
+    """``harness.py --kv-cache-access --token-buffer --connector-config --handshake
+    --data-parallel`` under the tree's python (one vLLM import for them all): ``{check:
+    its result}``."""
     proc = subprocess.run([str(vllm_python()), str(HARNESS), "--kv-cache-access",
-                           "--token-buffer", "--connector-config", "--handshake"],
+                           "--token-buffer", "--connector-config", "--handshake",
+                           "--data-parallel"],
                           capture_output=True,
                           text=True, timeout=300,
                           env=engine_env(), cwd=REPO)
@@ -381,12 +383,18 @@ def test_the_rest_of_0_34s_connector_api_on_its_scheduler(server: LiveServer,
       chunks' blocks, under the very hashes of its own ``GPU`` events for them;
     * hits labelled ``host``.
     Before (1470964): delivery True, both requests in the plain queue, pending frees
-    never reported, no CPU events, hits ``external_unspecified``."""
+    never reported, no CPU events, hits ``external_unspecified``. A request whose
+    lookup finds nothing goes through the plain queue (review F7: before, 4549dee,
+    every request of a chunk or more was admitted as an async load before its answer
+    was in, holding vLLM's other async loads back); the CPU events carry vLLM's group
+    (review F10: none before)."""
     p = tokens(358, 2 * CHUNK + 9)
+    wait = {"lmcache.mp.lookup_wait": 1.0}  # the answer within the admission's wait
     first = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("s", p)]}],
-                       observe=True)
+                       observe=True, extra=wait)
     r = run_engine(tmp_path, "ours", [server.url], [
-        {"requests": [req("l", p), {**req("lp", p), "prompt_logprobs": 1}]}], observe=True)
+        {"requests": [req("l", p), {**req("lp", p), "prompt_logprobs": 1},
+                      req("miss", tokens(359, 2 * CHUNK + 9))]}], observe=True, extra=wait)
     for seen in (first["observed"], r["observed"]):
         assert seen["requires_kv_delivery"] is False
         assert seen["pending_wrong"] == 0 and seen["pending_frees"][1] >= 1
@@ -396,10 +404,12 @@ def test_the_rest_of_0_34s_connector_api_on_its_scheduler(server: LiveServer,
     cpu = [e for e in seen["events"] if e["type"] == "BlockStored" and e["medium"] == "CPU"]
     stored = [h for e in cpu for h in e["hashes"]]
     assert len(stored) == 2 * CHUNK // 16 and set(stored) <= gpu  # s's two chunks
+    assert {e["group_idx"] for e in cpu} == {0}
     seen = r["observed"]
     assert (seen["queues"]["l"], seen["queues"]["lp"]) == ("async_kv_waiting", "waiting")
+    assert seen["queues"]["miss"] == "waiting"
     assert loaded(r, "l") == 2 * CHUNK
-    assert seen["hit_sources"] == [{"host": 2 * CHUNK}]
+    assert [h for h in seen["hit_sources"] if h] == [{"host": 2 * CHUNK}]
 
 
 def test_pcp_is_refused_and_a_drafters_layers_are_keyed_apart(checks: dict[str, Any]) -> None:
@@ -425,3 +435,38 @@ def test_the_protocol_family_is_handed_over_only_by_a_top_level_connector(
     got = checks["--handshake"]
     assert got["alone"] == {"tcp://127.0.0.1:9": "0.5.7"}
     assert got["in_multi"] is None and got["no_group"] is None
+
+
+def test_no_idle_wait_under_data_parallelism(checks: dict[str, Any]) -> None:
+    """A step that schedules no tokens lets the workers wait for their loads (issue 38:
+    a warm request's load reported in its own step), but not under data parallelism
+    (review F5): an idle DP rank runs a dummy batch right after such a step (vLLM 0.34
+    ``engine/core.py``), whose collectives every other rank's forward pass waits for.
+    Read from vLLM's own config through its factory. Before (4549dee) the wait was
+    allowed under DP too."""
+    got = checks["--data-parallel"]
+    assert got["dp1"] == {"data_parallel_size": 1, "idle": True}
+    assert got["dp2"] == {"data_parallel_size": 2, "idle": False}
+
+
+def test_a_lora_adapters_kv_is_keyed_apart(server: LiveServer, tmp_path: Path) -> None:
+    """vLLM keys a LoRA adapter's blocks apart from the base model's (its name and path
+    are in vLLM's block hashes): so do the connector's keys (review F3). On vLLM's
+    scheduler with its own ``LoRARequest``s: the base model's chunks stored, an
+    adapter request for the same prompt misses, another request of that adapter (a
+    reload: another id, the same name and path) loads what the first stored, another
+    adapter misses, the base model loads its own. Before (1470964, 4549dee) the
+    adapter request loaded the base model's KV."""
+    p = tokens(360, 2 * CHUNK + 7)
+    a = {"name": "adapter-a", "id": 1, "path": "/adapters/a"}
+    r = run_engine(tmp_path, "ours", [server.url], [
+        {"requests": [req("s", p)]},
+        {"requests": [{**req("a1", p), "lora": a}]},
+        {"requests": [{**req("a2", p), "lora": {**a, "id": 2}}]},
+        {"requests": [{**req("b", p), "lora": {"name": "adapter-b", "id": 3,
+                                                "path": "/adapters/b"}}]},
+        {"requests": [req("base", p)]}], prefix_caching=False)
+    assert loaded(r, "s") == 0
+    assert loaded(r, "a1") == 0, "an adapter request loaded the base model's KV"
+    assert loaded(r, "a2") == 2 * CHUNK and loaded(r, "b") == 0
+    assert loaded(r, "base") == 2 * CHUNK
