@@ -7,8 +7,9 @@ in, and a local server's usually is within the step); the hit is the minimum ove
 freed); chunks vLLM's own prefix cache already holds have their locks freed, and the
 RETRIEVE skips them; newly computed whole prompt chunks (and decode chunks with
 ``save_decode_cache``) are stored; a preempted request looks up again (unless its
-load failed); a finished request ends its server session; vLLM's cache reset starts
-a new key generation (:meth:`SchedulerSide.reset`). While a server does not answer its health probe,
+load failed); a finished request ends its server session; vLLM's cache reset tags
+every key made after it (:meth:`SchedulerSide.reset`); a LoRA request's keys carry its
+adapter. While a server does not answer its health probe,
 lookups report 0 and nothing is sent to it, so the engine never waits on a dead server.
 
 What vLLM is promised, and kept:

@@ -495,16 +495,11 @@ class Engine:
         self.tokens[rid] = list(prompt)
 
     def run(self, deadline_s: float = 120.0, on_step: Any = None,
-            abort: Any = (), reset_when_loading: Any = ()) -> dict[str, RequestResult]:
+            abort: Any = ()) -> dict[str, RequestResult]:
         """Step until every request finished (a wall-clock limit: in-flight transfers
         have their own deadlines, and an engine that never finishes is the failure).
         ``abort``: requests aborted (as a client disconnecting does) in the first step
-        after which they wait for their KV load (``aborted`` in their result).
-        ``reset_when_loading``: in the first step after which one of these requests
-        waits for its KV load, vLLM's ``reset_prefix_cache(reset_running_requests=False,
-        reset_connector=True)`` (what a weight update that keeps running requests asks;
-        vLLM's own prefix cache cannot reset with blocks in use, the connector's does),
-        its answer in ``observed["reset"]``."""
+        after which they wait for their KV load (``aborted`` in their result)."""
         import time as _time
 
         from vllm.v1.request import RequestStatus
@@ -512,7 +507,6 @@ class Engine:
         limit = _time.monotonic() + deadline_s
         steps = 0
         pending = set(abort)
-        resets = set(reset_when_loading)
         while self.scheduler.has_requests():
             if _time.monotonic() > limit:
                 raise RuntimeError(f"requests still unfinished after {deadline_s} s: "
@@ -525,11 +519,6 @@ class Engine:
                     self.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
                     self.results[rid].aborted = True
                     pending.discard(rid)
-            if any(getattr(self.scheduler.requests.get(rid), "status", None)
-                   == RequestStatus.WAITING_FOR_REMOTE_KVS for rid in resets):
-                resets.clear()
-                self.observed["reset"] = self.scheduler.reset_prefix_cache(
-                    reset_running_requests=False, reset_connector=True)
             if on_step is not None:
                 on_step(steps)
         return self.results
@@ -769,7 +758,7 @@ def main(spec_path: str) -> None:
     vLLM decides; or true / false), ``phases``: a list of ``{"requests": [{"id",
     "prompt", "salt"?, "max_tokens"?, "prompt_logprobs"?, "lora"?: {"name", "id",
     "path"}}], "on_step": {"N": [argv...]}, "on_retrieve": [argv...], "sleep_wake": bool,
-    "abort_when_loading": [id...], "reset_when_loading": [id...]}`` run
+    "abort_when_loading": [id...]}`` run
     one after the other on the same
     engine (``on_step`` runs a command after step N of the phase, ``on_retrieve`` when a
     step first orders a RETRIEVE, before the workers run: e.g. to stop the server
@@ -842,8 +831,7 @@ def main(spec_path: str) -> None:
                     eng.add(r["id"], r["prompt"], cache_salt=r.get("salt"),
                             max_tokens=r.get("max_tokens", 3))
 
-            eng.run(on_step=on_step, abort=phase.get("abort_when_loading", ()),
-                    reset_when_loading=phase.get("reset_when_loading", ()))
+            eng.run(on_step=on_step, abort=phase.get("abort_when_loading", ()))
             eng.drain()
             if which is OURS:
                 eng.wait_visible(phase["requests"])
@@ -859,7 +847,7 @@ def main(spec_path: str) -> None:
         out["requests"] = {rid: vars(r) for rid, r in eng.results.items()}
         out["preemptions"] = sum(getattr(r, "num_preemptions", 0)
                                  for r in eng.finished_requests)
-        if eng.observe or eng.observed.get("running_at_hook") or "reset" in eng.observed:
+        if eng.observe or eng.observed.get("running_at_hook"):
             out["observed"] = eng.observed
         if which is OURS:
             stats: dict[str, int] = {}
