@@ -68,6 +68,11 @@ class FailedStores(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return FailedStores(self.failed | getattr(other, "failed", set()))
 
 
+#: How long the scheduler's first health check waits for a server its workers have just
+#: registered with (once, at engine start).
+FIRST_CHECK_S = 30.0
+
+
 class ProtocolFamilies(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     """A worker's answer to "which wire family does my server speak" (server URL ->
     family), handed by vLLM to the scheduler once every worker registered, so that the
@@ -251,13 +256,22 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def set_xfer_handshake_metadata(self, metadata: dict[Any, Any]) -> None:
         if self.scheduler is None:
             return
+        told = False
         for meta in metadata.values():
             for url, family in getattr(meta, "families", {}).items():
                 client = self.scheduler.clients.get(url)
+                told = told or client is not None
                 if client is not None and client.adopt_protocol(family,
                                                                 source="vLLM's workers"):
                     log.info("lmcache_mp connector: server %s speaks %s (its workers' "
                              "probe); the scheduler sends none", url, family)
+        # The first health check, now (at engine start, before any request): a check
+        # first run by the first request's lookup would, if it failed, make that request
+        # and every one added with it a miss that stores nothing. The workers have just
+        # registered with these servers, so they are alive: on a machine starved of CPU
+        # (a TP engine's ranks spin-wait) their answer may take longer than a health
+        # interval, and is worth waiting for here, once.
+        self.scheduler.check_health(FIRST_CHECK_S if told else None)
 
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[Any, Any]) -> None:
         self.set_xfer_handshake_metadata(metadata)  # every pipeline stage's workers

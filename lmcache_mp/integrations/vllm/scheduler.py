@@ -229,13 +229,14 @@ class SchedulerSide:
             self._thread.start()
 
     # ------------------------------------------------------------------ health
-    def check_health(self) -> None:
-        """Probe every server once (NOOP); learn the chunk size from the first that
-        answers. Runs on the health thread, so a dead server costs the engine nothing."""
+    def check_health(self, timeout: float | None = None) -> None:
+        """Probe every server once (NOOP, within ``timeout``: default the health
+        interval); learn the chunk size from the first that answers. Runs on the health
+        thread, so a dead server costs the engine nothing."""
         with self._health_lock:
             for url, client in self.clients.items():
                 try:
-                    client.noop(timeout=self.cfg.health_interval)
+                    client.noop(timeout=timeout or self.cfg.health_interval)
                     if self._chunk_size is None:
                         self._chunk_size = int(client.chunk_size(timeout=self.cfg.mq_timeout))
                     ok = True

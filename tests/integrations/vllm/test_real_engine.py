@@ -55,6 +55,7 @@ from tests.conftest import (
     start_server,
 )
 from tests.integrations.vllm.engines import (
+    ENGINE_LOGS,
     ZYGOTE,
     Zygote,
     engine_env,
@@ -155,6 +156,8 @@ class Engines:
                 rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
             except subprocess.TimeoutExpired as exc:
                 rc, stdout, stderr = None, str(exc.stdout or ""), str(exc.stderr or "")
+        # A failed test shows each engine's log (conftest.py): why a load missed.
+        ENGINE_LOGS.append((f"{spec.get('connector', 'ours')}, tp {spec.get('tp', 1)}", stderr))
         lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
         result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):]) if lines else {}
         if rc != 0 or not result.get("ok"):
