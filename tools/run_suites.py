@@ -46,6 +46,11 @@ FIRST_PORT = 20000  # below Linux's ephemeral range (32768-60999): no kernel-cho
 #: each other's engines (a two-rank engine then outlives its test's timeout).
 ENGINE_JOBS = 1
 
+#: A job still running this long is interrupted as Ctrl-C interrupts pytest (its
+#: fixtures stop their servers), then killed, and fails: a job whose tests finished but
+#: whose process would not exit (a non-daemon thread left looping) held CI for an hour.
+JOB_LIMIT_S = 900
+
 
 @dataclass
 class Job:
@@ -115,6 +120,7 @@ class Running:
     proc: subprocess.Popen[bytes]
     log: Path
     started: float
+    interrupted: float = 0.0  # when JOB_LIMIT_S interrupted it (monotonic; 0: not)
 
 
 def machine_cpu() -> tuple[float, float]:
@@ -197,13 +203,25 @@ def main() -> int:
             running.append(Running(job, proc, log, time.monotonic()))
             slot_of[proc.pid] = slot
         time.sleep(0.5)
+        now = time.monotonic()
+        for r in running:
+            try:
+                if not r.interrupted and now - r.started > JOB_LIMIT_S:
+                    r.interrupted = now
+                    print(f"run_suites: {r.job.name} ran past {JOB_LIMIT_S} s: interrupted",
+                          flush=True)
+                    os.killpg(r.proc.pid, signal.SIGINT)
+                elif r.interrupted and now - r.interrupted > 60:
+                    os.killpg(r.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # it has just exited: reaped below
         for r in [r for r in running if r.proc.poll() is not None]:
             running.remove(r)
             slots.append(slot_of.pop(r.proc.pid))
             took = time.monotonic() - r.started
             rc = r.proc.returncode
             # pytest's 5: nothing collected (a release with no such tests) is no failure.
-            ok = rc in (0, 5)
+            ok = rc in (0, 5) and not r.interrupted
             print(f"run_suites: {r.job.name:<24} {'ok  ' if ok else 'FAIL'} {took:6.0f} s  "
                   f"{summary_line(r.log)}", flush=True)
             if not ok:
