@@ -28,7 +28,9 @@ from lmcache_mp.protocol import get_profile
 from ..conftest import LiveServer, free_port
 
 pytestmark = pytest.mark.live
-MARGIN = 0.5  # seconds a call may overrun its deadline (scheduling on a busy 2-core box)
+# Seconds a call may overrun its deadline: scheduling on a busy 2-core box (make test's three
+# jobs beside another CPU-bound process delayed a wake-up by 1.2 s).
+MARGIN = 1.0
 
 
 def rid() -> str:
@@ -200,19 +202,25 @@ def test_no_server_on_port_raises_unavailable_within_deadline() -> None:
         assert time.monotonic() - start < 0.5 + MARGIN
 
 
+CALL_DEADLINE_S = 15.0
+
+
 def test_server_killed_mid_call_raises_within_deadline(private_server: LiveServer) -> None:
     with Client(private_server.url, timeout=10.0, protocol="auto") as c:
         assert c.noop() == "OK"
         # UNREGISTER_Q_CACHE has no handler unless the server runs with --enable
         # transfer_query, so no release ever answers it: the call stays in flight.
-        future = c._conn.request("UNREGISTER_Q_CACHE", (424242,), 3.0)
+        future = c._conn.request("UNREGISTER_Q_CACHE", (424242,), CALL_DEADLINE_S)
         time.sleep(0.2)
         os.kill(private_server.pid, signal.SIGKILL)
         start = time.monotonic()
-        # The socket monitor sees the connection drop: fail fast, not at the deadline.
+        # The socket monitor sees the connection drop: fail fast, not at the deadline
+        # (which would raise RequestTimeout, not this). The bound is far from both: the
+        # kernel's teardown of a killed server and the monitor's wake-up took 1.2 s on a
+        # 2-core box running make test beside another CPU-bound process.
         with pytest.raises(ServerUnavailable, match="lost the connection"):
             future.result()
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < CALL_DEADLINE_S / 3
         start = time.monotonic()
         with pytest.raises(ServerUnavailable):
             c.noop(timeout=0.5)

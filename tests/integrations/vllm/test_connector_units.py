@@ -174,7 +174,7 @@ def test_lookups_share_one_wait_per_scheduler_step() -> None:
     assert s.get_num_new_matched_tokens(request(4 * CHUNK, "r2"), 0) == (None, True)
     # The second found the budget spent: one wait, for at most the budget (the wall
     # clock only guards against a hang: a busy machine may delay either call).
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0
     assert len(a.ack.waits) == 1 and 0 < a.ack.waits[0] <= 0.02
     s.build_step(out({}))  # a new step: a new budget
     assert s.get_num_new_matched_tokens(request(4 * CHUNK, "r1"), 0) == (None, True)
