@@ -181,8 +181,8 @@ def fuzz_client(fuzz_server: LiveServer) -> Iterator[tuple[Client, Counting, lis
     for i, kv in enumerate(kvs):
         fill_random(kv, seed=i)
     client = Client(fuzz_server.url, timeout=2.0, heartbeat_interval=None)
-    regs = [client.register(kvs[0], model_name="fz-engine", mode="engine"),
-            client.register(kvs[1], model_name="fz-lmcache", mode="lmcache")]
+    regs = [client.register(kvs[0], model_name="fz-engine", mode="engine", timeout=30.0),
+            client.register(kvs[1], model_name="fz-lmcache", mode="lmcache", timeout=30.0)]
     yield client, Counting(client), regs
     for reg in regs:
         reg.unregister()
