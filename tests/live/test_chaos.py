@@ -35,7 +35,13 @@ from lmcache_mp import (
 )
 
 from ..conftest import SERVER_VERSION, LiveServer, start_server
-from ..support.live_helpers import both_modes_args, fill_random, our_segments, round_trip
+from ..support.live_helpers import (
+    SETUP_S,
+    both_modes_args,
+    fill_random,
+    our_segments,
+    round_trip,
+)
 from ..support.polling import wait_until
 
 pytestmark = [
@@ -45,7 +51,6 @@ pytestmark = [
 CHUNK = 256
 DEADLINE = 1.0  # every call of the traffic threads
 SLACK = 0.3  # ... resolves within DEADLINE + SLACK (room for a loaded 2-core machine)
-SETUP_S = 30.0  # the fixtures' own calls: not what the tests measure
 THREADS = 4
 EXPECTED = (ServerUnavailable, RequestTimeout)  # ServerUnresponsive is a ServerUnavailable
 
@@ -153,9 +158,7 @@ def setup(server: LiveServer) -> Iterator[tuple[Client, list[Registration]]]:
         fill_random(kv, seed=n)
     client = Client(server.url, timeout=DEADLINE, heartbeat_interval=0.25)
     try:
-        # The setup's calls get a setup's deadline: the connection and protocol probe of a
-        # first call took over 1 s on a 2-core box running make test beside a CPU-bound
-        # process. The traffic of the tests keeps DEADLINE.
+        # The setup's calls get a setup's deadline; the traffic of the tests keeps DEADLINE.
         regs = [client.register(kvs[0], model_name="chaos-engine", mode="engine",
                                 timeout=SETUP_S),
                 client.register(kvs[1], model_name="chaos-lmcache", mode="lmcache",

@@ -39,7 +39,13 @@ from lmcache_mp import (
 from lmcache_mp.ipc.base import STORAGE_DTYPES
 
 from ..conftest import SERVER_VERSION, LiveServer, free_port, start_server
-from ..support.live_helpers import both_modes_args, fill_random, our_segments, round_trip
+from ..support.live_helpers import (
+    SETUP_S,
+    both_modes_args,
+    fill_random,
+    our_segments,
+    round_trip,
+)
 
 CHUNK = 256
 FUZZ = settings(derandomize=True, deadline=None, database=None, print_blob=False,
@@ -181,8 +187,8 @@ def fuzz_client(fuzz_server: LiveServer) -> Iterator[tuple[Client, Counting, lis
     for i, kv in enumerate(kvs):
         fill_random(kv, seed=i)
     client = Client(fuzz_server.url, timeout=2.0, heartbeat_interval=None)
-    regs = [client.register(kvs[0], model_name="fz-engine", mode="engine", timeout=30.0),
-            client.register(kvs[1], model_name="fz-lmcache", mode="lmcache", timeout=30.0)]
+    regs = [client.register(kvs[0], model_name="fz-engine", mode="engine", timeout=SETUP_S),
+            client.register(kvs[1], model_name="fz-lmcache", mode="lmcache", timeout=SETUP_S)]
     yield client, Counting(client), regs
     for reg in regs:
         reg.unregister()

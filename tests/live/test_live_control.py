@@ -26,11 +26,13 @@ from lmcache_mp import (
 from lmcache_mp.protocol import get_profile
 
 from ..conftest import LiveServer, free_port
+from ..support.live_helpers import SETUP_S
 
 pytestmark = pytest.mark.live
 # Seconds a call may overrun its deadline: scheduling on a busy 2-core box (make test's three
 # jobs beside another CPU-bound process delayed a wake-up by 1.2 s).
 MARGIN = 1.0
+CALL_DEADLINE_S = 15.0  # an in-flight call's, when the test kills the server under it
 
 
 def rid() -> str:
@@ -202,9 +204,6 @@ def test_no_server_on_port_raises_unavailable_within_deadline() -> None:
         assert time.monotonic() - start < 0.5 + MARGIN
 
 
-CALL_DEADLINE_S = 15.0
-
-
 def test_server_killed_mid_call_raises_within_deadline(private_server: LiveServer) -> None:
     with Client(private_server.url, timeout=10.0, protocol="auto") as c:
         assert c.noop() == "OK"
@@ -229,7 +228,7 @@ def test_server_killed_mid_call_raises_within_deadline(private_server: LiveServe
 
 def test_dead_message_thread_raises_timeout_within_deadline(private_server: LiveServer) -> None:
     with Client(private_server.url, timeout=1.0) as c:
-        assert c.noop(timeout=30.0) == "OK"  # connected and probed (slow on a busy box)
+        assert c.noop(timeout=SETUP_S) == "OK"  # connected and probed
         # Kill the server's message thread the way a foreign client could: a message of
         # one frame fails an assert outside the handler's try block in every release
         # (0.5.6 survives a bad request type, not this). lmcache_mp never sends one.
