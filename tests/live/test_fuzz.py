@@ -224,7 +224,12 @@ def healthy_after_batch(server: LiveServer, pid: int, client: Client,
     assert client.noop(timeout=2.0) == "OK"  # the message thread lives
     if Fuzzed.batches % 10 == 0:  # and the data plane is correct
         reg = regs[seed % 2]
-        tokens = np.random.default_rng(seed).integers(0, 2**31, 2 * CHUNK).tolist()
+        # Tokens never stored before: hypothesis repeats seeds (derandomized, and across the
+        # module's tests), the server keeps the first store of a key, and the fuzzed
+        # retrieves have since overwritten the source blocks, so a repeated key would
+        # retrieve the old bytes ("retrieved blocks differ") with nothing wrong.
+        tokens = np.random.default_rng((seed, Fuzzed.batches)).integers(
+            0, 2**31, 2 * CHUNK).tolist()
         round_trip(reg, tokens, list(range(64, 96)), list(range(96, 128)))
 
 
