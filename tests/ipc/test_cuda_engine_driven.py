@@ -28,6 +28,7 @@ from lmcache_mp.session.engine_driven import Pool, PoolMaps, copy_from_slots, co
 
 from ..conftest import LiveServer
 from ..support.fake_cuda import FakeDriver
+from ..support.live_helpers import SETUP_S
 
 STREAM = 0x5EED
 CHUNK = 32
@@ -328,7 +329,11 @@ def test_live_round_trip_through_the_server_pool(live_server: LiveServer, g: KVG
     by the gather path (torch on the fake's memory)."""
     monkeypatch.setenv("LMCACHE_MP_GPU_COPY", copy_path)
     drv = FakeDriver()
-    with Client(live_server.url, timeout=10.0) as client:
+    # A set-up's deadline for every call (this test checks bytes, not time): the process's
+    # first gather copy pays torch's one-time start-up (on the fake's CPU tensors, the first
+    # torch call under its stream dispatch mode imports torch._dynamo: 2-5 s alone here,
+    # 11.8 s in make test beside a CPU-bound process, past the 10 s this had).
+    with Client(live_server.url, timeout=SETUP_S) as client:
         chunk = client.chunk_size()
         g = KVGeometry(g.num_layers, 2 * chunk // g.block_size + 2, g.block_size, g.num_heads,
                        g.head_dim, g.dtype, g.mla)

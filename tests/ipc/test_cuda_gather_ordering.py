@@ -31,6 +31,7 @@ from lmcache_mp.session.engine_driven import copy_from_slots, copy_into_slots
 
 from ..conftest import LiveServer
 from ..support.fake_cuda import FakeDriver
+from ..support.live_helpers import SETUP_S
 from .test_cuda_gather import (
     CHUNK,
     GEOMETRIES,
@@ -503,7 +504,9 @@ def test_a_failed_store_fails_and_the_server_publishes_what_it_reserved(
     docs/colocated.md says. Before the fix (265a737) a bare RuntimeError."""
     fail_second_kernel(monkeypatch, "store")
     drv = FakeDriver()
-    with Client(live_server.url, timeout=10.0) as client:
+    # A set-up's deadline (bytes and errors checked here, not time): a process's first
+    # gather copy pays torch's one-time start-up (test_cuda_engine_driven.py says how much).
+    with Client(live_server.url, timeout=SETUP_S) as client:
         chunk = client.chunk_size()
         g = GEOMETRIES["hnd"]
         g = KVGeometry(g.num_layers, 2 * chunk // g.block_size + 2, g.block_size,
