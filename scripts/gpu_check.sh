@@ -9,7 +9,8 @@
 # buffer and a registered shared mapping) measured beside them, an MLA cache both ways,
 # vs LMCache's own client), the restart step (SIGKILL, restart, both transfer modes
 # recover) and the doctor, stop it; then the VMM export check
-# (scripts/gpu_vmm_check.py) and the CUDA tests (tests/ipc/test_gpu_live.py: the
+# (scripts/gpu_vmm_check.py), the event per transfer vs per step timing
+# (scripts/gpu_step_events.py, issue 38 item 4) and the CUDA tests (tests/ipc/test_gpu_live.py: the
 # two-thread two-stream race and the 20-replacement leak check on real CUDA among
 # them). One short table at the end.
 #
@@ -27,8 +28,8 @@
 # * sizes each server's L1 for what the run stores (gpu_check.py --l1-gib);
 # * keeps $OUT to at most 8 files (what the device tool brings back): summary.txt,
 #   summary.json, run.log (every step's output), servers.log (every server's output,
-#   one after another) and results-<release>.json (written by gpu_check.py after every
-#   side, and by its restart step).
+#   one after another), results-<release>.json (written by gpu_check.py after every
+#   side, and by its restart step) and step_events.json.
 #
 # Environment (all optional):
 #   OUT                   where results go (default /tmp/gpu_check_out)
@@ -485,6 +486,29 @@ else
       0) record "vmm export" ok "$line" $((SECONDS - t0)) ;;
       3) record "vmm export" skip "$line" $((SECONDS - t0)) ;;
       *) record "vmm export" FAIL "$(rc_detail "$rc" "$t"): $line" $((SECONDS - t0)) ;;
+    esac
+  fi
+fi
+
+# -------------------------------------------------------------- step events
+# Issue 38 item 4: the caller's cost of an interprocess event per transfer against one
+# per step (CudaKVCache.one_event), on the real driver (scripts/gpu_step_events.py).
+if [ "$dry" = 1 ]; then
+  record "step events" skip "dry run: needs a GPU (interprocess events)"
+else
+  t=$(left 30)
+  if ((t < 10)); then
+    record "step events" skip "no time left"
+  else
+    t0=$SECONDS
+    run_step "step events" "$t" env PYTHONPATH="$site/common:$repo" "$py" \
+      scripts/gpu_step_events.py --json "$OUT/step_events.json"
+    rc=$?
+    line=$(grep '^gpu_step_events: ' "$work/step.log" | tail -1 | sed 's/^gpu_step_events: //' | cut -c1-200)
+    case $rc in
+      0) record "step events" ok "$line" $((SECONDS - t0)) ;;
+      3) record "step events" skip "$line" $((SECONDS - t0)) ;;
+      *) record "step events" FAIL "$(rc_detail "$rc" "$t"): $line" $((SECONDS - t0)) ;;
     esac
   fi
 fi
