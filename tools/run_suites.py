@@ -10,11 +10,8 @@ for a port) and its output in ``build/test-logs/<job>.log``; the longest jobs st
 first. Much of a live job is waiting (a server starting, a reaper's timeout, a
 restart), so a few jobs share 2 cores well; but jobs that run real vLLM engines take
 every core they get, so only one of those runs at a time (:data:`ENGINE_JOBS`), beside
-the others. That engine lane is the longest chain, so a free slot takes its next job
-whenever the lane is free (a clean-clone CI run: the lane's jobs 859 s of make test's
-1054 s, idle 106 s waiting for a slot behind shorter jobs); and tests marked ``alone``
-(a TP=2 engine, whose ranks spin-wait on each other) run at the end with no other job.
-``--jobs 1`` runs everything one by one.
+the others; and tests marked ``alone`` (a TP=2 engine, whose ranks spin-wait on each
+other) run at the end with no other job. ``--jobs 1`` runs everything one by one.
 
 A failed job's log tail is printed when it ends; the exit status is 1 if any job
 failed. Ctrl-C (or SIGTERM) interrupts every job the way Ctrl-C interrupts pytest, so
@@ -186,9 +183,7 @@ def main() -> int:
     while todo or running:
         while len(running) < opts.jobs and not any(r.job.alone for r in running):
             engines_busy = sum(r.job.engines for r in running) >= ENGINE_JOBS
-            # Engine jobs first (a stable sort: the longest first within each kind).
-            job = next((j for j in sorted(todo, key=lambda j: not j.engines)
-                        if not (j.engines and engines_busy)
+            job = next((j for j in todo if not (j.engines and engines_busy)
                         and not (j.alone and (running or any(not t.alone for t in todo)))),
                        None)
             if job is None:
