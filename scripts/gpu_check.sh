@@ -468,50 +468,47 @@ for rel in "${releases[@]}"; do
   port=$((port + 1))
 done
 
-# -------------------------------------------------------------- VMM export
+# ------------------------------------------------- device-only script steps
+device_step() {  # name wanted-seconds dry-run-reason summary-prefix command...
+  # A script that needs the device: skipped in a dry run or when no time is left; its
+  # exit status 0 / 3 / other is recorded as ok / skip (the device lacks the feature) /
+  # FAIL, with the script's summary line as the detail: its last line starting with
+  # "PREFIX: " (without the prefix), or its last line when the prefix is empty.
+  local name=$1 want=$2 dry_reason=$3 prefix=$4 t t0 rc line
+  shift 4
+  if [ "$dry" = 1 ]; then
+    record "$name" skip "dry run: $dry_reason"
+    return
+  fi
+  t=$(left "$want")
+  if ((t < 10)); then
+    record "$name" skip "no time left"
+    return
+  fi
+  t0=$SECONDS
+  run_step "$name" "$t" "$@"
+  rc=$?
+  if [ -n "$prefix" ]; then
+    line=$(grep "^$prefix: " "$work/step.log" | tail -1 | sed "s/^$prefix: //" | cut -c1-200)
+  else
+    line=$(tail -1 "$work/step.log")
+  fi
+  case $rc in
+    0) record "$name" ok "$line" $((SECONDS - t0)) ;;
+    3) record "$name" skip "$line" $((SECONDS - t0)) ;;
+    *) record "$name" FAIL "$(rc_detail "$rc" "$t"): $line" $((SECONDS - t0)) ;;
+  esac
+}
+
 # cuMemCreate memory exported as a POSIX fd (scripts/gpu_vmm_check.py): the fd names
 # the memory (imported and read back here, as LMCache's receiver would map it).
-if [ "$dry" = 1 ]; then
-  record "vmm export" skip "dry run: needs a GPU (cuMemCreate)"
-else
-  t=$(left 60)
-  if ((t < 10)); then
-    record "vmm export" skip "no time left"
-  else
-    t0=$SECONDS
-    run_step "vmm export" "$t" env PYTHONPATH="$site/common:$repo" "$py" scripts/gpu_vmm_check.py
-    rc=$?
-    line=$(tail -1 "$work/step.log")
-    case $rc in
-      0) record "vmm export" ok "$line" $((SECONDS - t0)) ;;
-      3) record "vmm export" skip "$line" $((SECONDS - t0)) ;;
-      *) record "vmm export" FAIL "$(rc_detail "$rc" "$t"): $line" $((SECONDS - t0)) ;;
-    esac
-  fi
-fi
+device_step "vmm export" 60 "needs a GPU (cuMemCreate)" "" \
+  env PYTHONPATH="$site/common:$repo" "$py" scripts/gpu_vmm_check.py
 
-# -------------------------------------------------------------- step events
 # Issue 38 item 4: the caller's cost of an interprocess event per transfer against one
 # per step (CudaKVCache.one_event), on the real driver (scripts/gpu_step_events.py).
-if [ "$dry" = 1 ]; then
-  record "step events" skip "dry run: needs a GPU (interprocess events)"
-else
-  t=$(left 30)
-  if ((t < 10)); then
-    record "step events" skip "no time left"
-  else
-    t0=$SECONDS
-    run_step "step events" "$t" env PYTHONPATH="$site/common:$repo" "$py" \
-      scripts/gpu_step_events.py --json "$OUT/step_events.json"
-    rc=$?
-    line=$(grep '^gpu_step_events: ' "$work/step.log" | tail -1 | sed 's/^gpu_step_events: //' | cut -c1-200)
-    case $rc in
-      0) record "step events" ok "$line" $((SECONDS - t0)) ;;
-      3) record "step events" skip "$line" $((SECONDS - t0)) ;;
-      *) record "step events" FAIL "$(rc_detail "$rc" "$t"): $line" $((SECONDS - t0)) ;;
-    esac
-  fi
-fi
+device_step "step events" 30 "needs a GPU (interprocess events)" gpu_step_events \
+  env PYTHONPATH="$site/common:$repo" "$py" scripts/gpu_step_events.py --json "$OUT/step_events.json"
 
 # ------------------------------------------------------------------ tests
 if [ "${GPU_CHECK_SKIP_PYTEST:-0}" = 1 ]; then
