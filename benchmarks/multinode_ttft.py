@@ -43,7 +43,7 @@ from tests.conftest import free_port  # noqa: E402
 from tests.support.valkey import ValkeyNode  # noqa: E402
 
 SERVER = REPO / "scripts" / "lmcache-server.sh"
-MODEL = os.path.join(tempfile.gettempdir(), "lmcache_mp_real_tiny_llama_s0")
+MODEL = str(REPO / "build" / "models" / "real_tiny_llama_s0")  # test_real_engine's
 CHUNK = 256
 PROMPT_LEN = 4 * CHUNK + 16
 CONTENDERS = ("none", "ours-eager", "ours-lazy", "lmcache", "lmcache-eager")

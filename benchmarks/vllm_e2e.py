@@ -87,7 +87,7 @@ SOURCE = [REPO]
 #: worktree of the commit before a change), in the same run as the others.
 BEFORE: list[Path] = []
 
-MODEL = os.path.join(tempfile.gettempdir(), "lmcache_mp_bench_llama_long_s0")
+MODEL = str(REPO / "build" / "models" / "bench_llama_long_s0")  # a build cache, kept
 KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x head size x bf16
 MAX_TOKENS = 8
 CHUNKED_FROM = 16384  # prompts this long are prefilled 512 tokens a step (their engines)

@@ -41,6 +41,8 @@ scripts/lmcache-server.sh start --version "$release" --port "$port" -- \
 server_started=1
 # In the background, so that a signal reaches the trap at once (the driver stops its
 # engines on SIGTERM).
-"$py" examples/vllm_serve_demo.py "tcp://127.0.0.1:$port" "$@" &
+# The tiny model's directory: a build cache of the checkout (reused, never in /tmp).
+"$py" examples/vllm_serve_demo.py "tcp://127.0.0.1:$port" \
+  --model-dir "$repo/build/models/demo_vllm_llama_long_s0" "$@" &
 driver=$!
 wait "$driver"

@@ -74,8 +74,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from real_engine import make_prompt  # noqa: E402  (stdlib-only at import)
 
 CHUNK = 256  # the servers' default chunk size
-LLAMA = os.path.join(tempfile.gettempdir(), "lmcache_mp_real_tiny_llama_s0")
-MLA = os.path.join(tempfile.gettempdir(), "lmcache_mp_real_tiny_deepseek_mla_s0")
+# The tiny models' directories: a build cache of this checkout (written once, reused by
+# later runs; nothing of ours is left in the system's temp directory). The path is the
+# model name, part of every cache key, so every engine of a run uses the same one.
+MODELS = Path(__file__).resolve().parents[3] / "build" / "models"
+LLAMA = str(MODELS / "real_tiny_llama_s0")
+MLA = str(MODELS / "real_tiny_deepseek_mla_s0")
 VOCAB = 2048
 # vLLM's CPU engine: blocks of 32 (CPU_ATTN takes multiples of 32), no prefix cache of
 # its own (a load comes from the connector); prompts prefilled in one step, except in
