@@ -40,12 +40,6 @@ from lmcache_mp.integrations.vllm.config import ConnectorConfig  # noqa: E402
 from lmcache_mp.integrations.vllm.scheduler import SchedulerSide  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def requests(prefix: str, n: int, tokens: int, seed: int) -> list[object]:
     """``n`` vLLM requests of ``tokens`` random prompt tokens each, made by vLLM itself."""
     from vllm.sampling_params import SamplingParams
@@ -63,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=50, help="requests measured (50)")
     ap.add_argument("--top", type=int, default=25, help="cProfile lines shown (25)")
     args = ap.parse_args(argv)
-    port = free_port()
+    with socket.socket() as probe:  # a port the kernel says is free, for the server
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
     subprocess.run([str(SERVER), "start", "--version", args.release, "--port", str(port), "--",
                     "--supported-transfer-mode", "auto", "--shm-name",
                     f"lmcache_l1_pool_nrc{os.getpid()}"], check=True, capture_output=True)
