@@ -133,8 +133,9 @@ def machine_cpu() -> tuple[float, float]:
 
 def reaped(proc: subprocess.Popen[bytes]) -> float | None:
     """None while ``proc`` runs; once it has exited, the CPU-seconds it and the
-    descendants it waited for used (the servers and engines its tests started): where
-    make test's time goes, since on 2 cores only less work makes it faster."""
+    descendants it waited for used (its engines and forked helpers; not the LMCache
+    servers scripts/lmcache-server.sh starts, which detach): where make test's time
+    goes, since on 2 cores only less work makes it faster."""
     pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
     if pid == 0:
         return None

@@ -77,7 +77,7 @@ CHUNK = 256  # the servers' default chunk size
 # The tiny models' directories: a build cache of this checkout (written once, reused by
 # later runs; nothing of ours is left in the system's temp directory). The path is the
 # model name, part of every cache key, so every engine of a run uses the same one.
-MODELS = Path(__file__).resolve().parents[3] / "build" / "models"
+MODELS = REPO / "build" / "models"
 LLAMA = str(MODELS / "real_tiny_llama_s0")
 MLA = str(MODELS / "real_tiny_deepseek_mla_s0")
 VOCAB = 2048
