@@ -20,7 +20,7 @@ import pytest
 
 from lmcache_mp import CacheKey, Client, InvalidArgument, LMCacheMPError
 from lmcache_mp.ipc.base import STORAGE_DTYPES, KVGeometry
-from lmcache_mp.ipc.cuda import CudaKVCache, staging
+from lmcache_mp.ipc.cuda import CudaError, CudaKVCache, staging
 from lmcache_mp.ipc.paged_copy import gather_chunk, scatter_chunk
 from lmcache_mp.ipc.shm import ShmSegment
 from lmcache_mp.protocol.types import PoolSlot
@@ -270,6 +270,54 @@ def test_unpinnable_pool_is_copied_pageable(caplog: pytest.LogCaptureFixture) ->
                         CHUNK, stream=STREAM)
     assert "ulimit -l" in caplog.text and buf.any()
     assert staging.pinned_pools() == {buf.ctypes.data: None}
+
+
+def test_a_pool_page_locked_by_other_code_is_left_to_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Memory at the pool's address already page-locked by other code of the process:
+    CUDA refuses the second cudaHostRegister (cudaErrorHostMemoryAlreadyRegistered; the
+    fake raises as CUDA does). The copy still runs, the warning names that cause
+    (raising ulimit -l would not help), and the client never unregisters what it did
+    not register. Before, the fake asserted ("pinned twice") and the message said to
+    raise ulimit -l."""
+    g = GEOMETRIES[2]
+    drv = FakeDriver()
+    cache, layers = fake_cache(drv, g)
+    pool, slots, buf = pool_and_slots(g, 1)
+    drv.host_register(buf.ctypes.data, buf.nbytes)  # the other code's registration
+    with caplog.at_level(logging.WARNING, logger="lmcache_mp"):
+        copy_into_slots(cache, np.arange(CHUNK // g.block_size), slots, [0], pool,  # type: ignore[arg-type]
+                        CHUNK, stream=STREAM)
+    assert buf.any()
+    assert "page-locked memory at this address" in caplog.text
+    assert "ulimit" not in caplog.text
+    assert staging.pinned_pools() == {buf.ctypes.data: None}  # not the client's
+    for undo in list(pool.before_unmap):  # the client unmaps the pool
+        undo(pool.view)
+    assert drv.pinned.get(buf.ctypes.data) == buf.nbytes and not drv.unpinned
+
+
+def test_the_fake_refuses_as_cuda_does() -> None:
+    """The fake driver's page-locking errors are CUDA's: an overlapping range, an
+    address never registered (or registered by cudaMallocHost), an unregister twice."""
+    drv = FakeDriver()
+    buf = np.zeros(1 << 16, np.uint8)
+    base = buf.ctypes.data
+    drv.host_register(base + 4096, 8192)
+    for ptr, n in ((base + 4096, 8192), (base, 8192), (base + 8192, 1 << 12)):
+        with pytest.raises(CudaError) as err:
+            drv.host_register(ptr, n)
+        assert err.value.code == 712 and err.value.call == "cudaHostRegister"
+    drv.host_register(base, 4096)  # adjacent, not overlapping: fine
+    for ptr in (base + 8192, base + 12288 + 4096):
+        with pytest.raises(CudaError) as err:
+            drv.host_unregister(ptr)
+        assert err.value.code == 713
+    drv.host_unregister(base + 4096)
+    with pytest.raises(CudaError):
+        drv.host_unregister(base + 4096)  # twice
+    drv.host_unregister(base)
+    assert not drv.pinned
 
 
 # ------------------------------------------ caches CUDA IPC cannot export

@@ -79,8 +79,9 @@ def test_physical_layout_is_read_from_strides_and_registered(physical: str) -> N
 def unmapped(pool: Pool) -> None:
     """What the client does before it unmaps a pool: its before_unmap hooks (the GPU
     copy's page-locking undone). Without it the next test buffer, at the freed one's
-    address, was page-locked again in the same fake driver ("pinned twice", an
-    unhandled exception in the pin thread in 4 of issue 37's 5 loaded runs)."""
+    address, was page-locked again in the same fake driver (then an assertion, "pinned
+    twice", in the pin thread in 4 of issue 37's 5 loaded runs; now the fake refuses
+    as CUDA does, cudaErrorHostMemoryAlreadyRegistered, and the copy goes pageable)."""
     for undo in list(pool.before_unmap):
         undo(pool.view)
 

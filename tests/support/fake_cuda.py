@@ -454,12 +454,20 @@ class FakeDriver:
         if self.fail_host_register:
             raise CudaError("cudaHostRegister failed: cudaErrorMemoryAllocation (2)",
                             call="cudaHostRegister", code=2)
-        assert ptr not in self.pinned, "pinned twice"
+        # As CUDA: a range overlapping page-locked memory (registered, or cudaMallocHost's)
+        # is refused with an error the caller gets, not a crash.
+        end = ptr + nbytes
+        if any(base < end and ptr < base + n for base, n in self.pinned.items()):
+            raise CudaError("cudaHostRegister failed: cudaErrorHostMemoryAlreadyRegistered "
+                            "(712)", call="cudaHostRegister", code=712)
         self.pinned[ptr] = nbytes
 
     def host_unregister(self, ptr: int) -> None:
         self.calls.append(("host_unregister", ptr))
-        assert ptr in self.pinned, "unregistering memory that was not registered"
+        # As CUDA: only the base address a cudaHostRegister returned for, once.
+        if ptr not in self.pinned or ptr in self.host_allocs:
+            raise CudaError("cudaHostUnregister failed: cudaErrorHostMemoryNotRegistered "
+                            "(713)", call="cudaHostUnregister", code=713)
         del self.pinned[ptr]
         self.unpinned.append(ptr)
 

@@ -342,8 +342,8 @@ class PoolPin:
         except CudaError as exc:
             # Pageable copies still work (staged by the driver): slower, not wrong.
             log.warning("lmcache_mp: cannot page-lock the server's %d-byte L1 pool (%s); "
-                        "engine-driven GPU copies will be pageable and slower. Raise "
-                        "RLIMIT_MEMLOCK (ulimit -l) to fix this", self.nbytes, exc)
+                        "engine-driven GPU copies will be pageable and slower. %s",
+                        self.nbytes, exc, _pin_advice(exc.code))
         finally:
             self.done.set()
             with _pinning_lock:
@@ -364,6 +364,22 @@ class PoolPin:
                     self._drv.host_unregister(self.address)
             except CudaError as exc:
                 log.warning("lmcache_mp: cudaHostUnregister of the L1 pool failed: %s", exc)
+
+
+#: cudaHostRegister's refusals whose cause the warning can name (CUDA runtime codes).
+_OUT_OF_LOCKABLE_MEMORY = 2  # cudaErrorMemoryAllocation
+_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
+def _pin_advice(code: int | None) -> str:
+    """What to do about a pool that could not be page-locked, by CUDA's error code."""
+    if code == _OUT_OF_LOCKABLE_MEMORY:
+        return "Raise RLIMIT_MEMLOCK (ulimit -l) to fix this"
+    if code == _ALREADY_REGISTERED:
+        # Not ours to undo either: whoever registered it unregisters it.
+        return ("Other code in this process page-locked memory at this address and "
+                "did not unregister it; lmcache_mp leaves that registration alone")
+    return "See the CUDA error above"
 
 
 class _PinNewMaps:
