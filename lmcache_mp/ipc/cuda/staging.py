@@ -340,10 +340,8 @@ class PoolPin:
                 self._drv.host_register(self.address, self.nbytes)
             self.pinned = True
         except CudaError as exc:
-            # Pageable copies still work (staged by the driver): slower, not wrong.
             log.warning("lmcache_mp: cannot page-lock the server's %d-byte L1 pool (%s); "
-                        "engine-driven GPU copies will be pageable and slower. %s",
-                        self.nbytes, exc, _pin_advice(exc.code))
+                        "%s", self.nbytes, exc, _pin_advice(exc.code))
         finally:
             self.done.set()
             with _pinning_lock:
@@ -372,14 +370,17 @@ _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 
 
 def _pin_advice(code: int | None) -> str:
-    """What to do about a pool that could not be page-locked, by CUDA's error code."""
-    if code == _OUT_OF_LOCKABLE_MEMORY:
-        return "Raise RLIMIT_MEMLOCK (ulimit -l) to fix this"
+    """What a refused page-locking means for the copies and what to do, by CUDA's
+    error code (the warning's end)."""
     if code == _ALREADY_REGISTERED:
         # Not ours to undo either: whoever registered it unregisters it.
-        return ("Other code in this process page-locked memory at this address and "
-                "did not unregister it; lmcache_mp leaves that registration alone")
-    return "See the CUDA error above"
+        return ("other code in this process page-locked memory at this address and did "
+                "not unregister it; lmcache_mp leaves that registration alone")
+    # Pageable copies still work (staged by the driver): slower, not wrong.
+    slower = "engine-driven GPU copies will be pageable and slower"
+    if code == _OUT_OF_LOCKABLE_MEMORY:
+        return f"{slower}. Raise RLIMIT_MEMLOCK (ulimit -l) to fix this"
+    return slower
 
 
 class _PinNewMaps:
