@@ -269,6 +269,7 @@ def test_unpinnable_pool_is_copied_pageable(caplog: pytest.LogCaptureFixture) ->
         copy_into_slots(cache, np.arange(CHUNK // g.block_size), slots, [0], pool,  # type: ignore[arg-type]
                         CHUNK, stream=STREAM)
     assert "ulimit -l" in caplog.text and buf.any()
+    assert "pageable and slower" in caplog.text
     assert staging.pinned_pools() == {buf.ctypes.data: None}
 
 
@@ -291,6 +292,7 @@ def test_a_pool_page_locked_by_other_code_is_left_to_it(
     assert buf.any()
     assert "page-locked memory at this address" in caplog.text
     assert "ulimit" not in caplog.text
+    assert "pageable" not in caplog.text  # CUDA has the range page-locked already
     assert staging.pinned_pools() == {buf.ctypes.data: None}  # not the client's
     for undo in list(pool.before_unmap):  # the client unmaps the pool
         undo(pool.view)
