@@ -64,7 +64,7 @@ unit: setup
 # the offline tests; the live tests against every release, each split in two (the
 # client's own, and tests/integrations/vllm's real engines); vLLM 0.33's and 0.34's schedulers against the newest
 # release. TEST_JOBS=1 runs them one after another.
-TEST_JOBS ?= 3
+TEST_JOBS ?= 4
 test: setup oracle vllm-venv lint
 	$(VENV)/bin/python tools/run_suites.py --jobs $(TEST_JOBS) --releases $(RELEASES) \
 	  --vllm-tree-venv $(CURDIR)/.venv-vllm-$(VLLM_TREE) \
