@@ -45,8 +45,8 @@ FIRST_PORT = 20000  # below Linux's ephemeral range (32768-60999): no kernel-cho
 #: Their engines have one rank each (one pinned OpenMP thread: ~0.75 of a core a job);
 #: the two-rank engine, which spin-waits on both cores, runs in the ``alone`` job. With
 #: one at a time that lane was the longest chain and wait-bound jobs held the other
-#: slots, so the CPUs stood 18% idle: in a clean-clone run (issue 38, stop 46) two engine
-#: jobs of four took make test from 1058 s (82% busy) to 786 s (93% busy).
+#: slots, so the CPUs stood 18% idle. Clean-clone CI runs here (issue 38, stop 46): make
+#: test 1058 s with one of three (82% busy), 902 s with two of four (93% busy).
 ENGINE_JOBS = 2
 
 #: A job still running this long is interrupted as Ctrl-C interrupts pytest (its
