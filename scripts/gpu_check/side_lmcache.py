@@ -5,6 +5,7 @@ token_bytes keys)."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
 import time
 from typing import Any
@@ -49,11 +50,18 @@ class LMCacheSide(Side):
             self.RT, self.get_response_class = RequestType, get_response_class
             self.mq = MessageQueueClient(args.url, self.zctx)
             self.ctx = LMCacheDrivenTransferContext()
+            self.ctx_holds_id = False
             self.chunk = int(self._call(RequestType.GET_CHUNK_SIZE, []))
         else:
             self.mq = None
             self.rpc = RequestClientFactory.create(args.url, context=self.zctx)
-            self.ctx = LMCacheDrivenTransferContext(self.instance_id, self.rpc)
+            # 0.5.6+: the context holds the instance id and the client. 0.5.5 has the
+            # client factory already but a bare context, given the client at register()
+            # and the instance id with every transfer, as 0.5.3's.
+            self.ctx_holds_id = "req_client" in inspect.signature(
+                LMCacheDrivenTransferContext).parameters
+            self.ctx = (LMCacheDrivenTransferContext(self.instance_id, self.rpc)
+                        if self.ctx_holds_id else LMCacheDrivenTransferContext())
             self.chunk = int(self.rpc.get_chunk_size().result(timeout=args.request_timeout))
         self.blocks_in_chunk = self.chunk // args.block_size
         device = "cpu" if args.cpu_dry_run else "cuda"
@@ -103,6 +111,11 @@ class LMCacheSide(Side):
                 send_request=lambda mq, rt, p: self._send(rt, p),
                 layout_hints={"kv_layout": "HND"}, engine_group_infos=groups,
                 engine_type=EngineType.VLLM)
+        elif not self.ctx_holds_id:  # 0.5.5
+            self.ctx.register(
+                self.instance_id, self.kv_caches, self.model, 1, self.blocks_in_chunk,
+                self.rpc, self.args.register_timeout, layout_hints={"kv_layout": "HND"},
+                engine_group_infos=groups, engine_type=EngineType.VLLM)
         else:
             self.ctx.register(
                 self.kv_caches, self.model, 1, self.blocks_in_chunk,
@@ -126,8 +139,8 @@ class LMCacheSide(Side):
 
     def _transfer(self, submit: Any, rid: str, key: Any, blocks: list[int],
                   *extra: Any) -> bool:
-        # 0.5.3 passes the instance id with every request; 0.5.6's context holds it.
-        ids = (self.instance_id,) if self.rpc is None else ()
+        # 0.5.3-0.5.5 pass the instance id with every request; 0.5.6's context holds it.
+        ids = () if self.ctx_holds_id else (self.instance_id,)
         self.pending_event = self._event()
         try:
             fut = submit(rid, key, *ids, self.kv_caches, [blocks], self.pending_event,
@@ -174,6 +187,9 @@ class LMCacheSide(Side):
         self.registered = False
         if self.rpc is None:
             self._call(self.RT.UNREGISTER_KV_CACHE, [self.instance_id])
+        elif not self.ctx_holds_id:  # 0.5.5's context has no unregister()
+            self.rpc.unregister_kv_cache(self.instance_id).result(
+                timeout=self.args.request_timeout)
         else:
             fut = self.ctx.unregister()
             if fut is not None:
