@@ -33,16 +33,14 @@ whole chain.
 from __future__ import annotations
 
 import ast
-import importlib.util
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from tests.support.tool_modules import load_tool
+
 REPO = Path(__file__).resolve().parent.parent
 # tools/house.py (not a package): its strongly-connected-components function.
-_spec = importlib.util.spec_from_file_location("lmcache_mp_house", REPO / "tools" / "house.py")
-assert _spec is not None and _spec.loader is not None
-house = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(house)
+house = load_tool("house", "lmcache_mp_house")
 PKG = "lmcache_mp"
 
 PROTOCOL, IPC, TRANSPORT = f"{PKG}.protocol", f"{PKG}.ipc", f"{PKG}.transport"

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from types import ModuleType
 
 from tests.conftest import REPO
+from tests.support.tool_modules import load_tool
 
 
 def run_suites() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("run_suites", REPO / "tools" / "run_suites.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_tool("run_suites")
 
 
 def makefile_releases() -> list[str]:
