@@ -125,7 +125,8 @@ class InstanceIdAPI:
                                      instance_id: int, skip_first_n_tokens: int = 0,
                                      timeout: float | None = None) -> ReplyFuture[bool]:
         """PREPARE_RETRIEVE, copy from the pool slots, COMMIT_RETRIEVE (which releases
-        the LOOKUP's read locks). Needs a LOOKUP hit first; False on a miss."""
+        the LOOKUP's read locks). Needs a LOOKUP hit first; False on a miss. Done when
+        the blocks are written (the COMMIT's reply is read later: session.commits)."""
         return self._for(instance_id, "engine", "PREPARE_RETRIEVE").retrieve_async(
             key, block_ids, skip_first_n_tokens=skip_first_n_tokens, timeout=timeout)
 

@@ -24,6 +24,8 @@ The two ways a registration moves blocks:
 * Engine-driven (``mode="engine"``): PREPARE_* (the server reserves or finds pool
   slots), this client's copy, COMMIT_*. A PREPARE that finds a new connection is
   prepared again after re-registering; the COMMIT must go to the server that prepared.
+  A retrieve is done when its blocks are written: it does not wait for its
+  COMMIT_RETRIEVE's reply (:mod:`lmcache_mp.session.commits`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from ..protocol.types import (
 from ..transport import PendingRequest, ReplyFuture, Transport, blocking
 from .binding import Binding, BindingEvent, BindingState
 from .blocks import BlockIds, TransferLayout, normalize_block_ids
+from .commits import UnconfirmedCommits
 from .connection import NO_PAYLOADS, Connection, Payloads
 from .deadlines import remaining, unsent, within
 from .engine_driven import NO_POOL_HELP, PoolMaps, bound_to, copy_from_slots, copy_into_slots
@@ -60,6 +63,10 @@ from .request import Request
 __all__ = ["Registration", "Mode", "Binding"]
 
 log = logging.getLogger("lmcache_mp")
+
+#: How long an unregister waits for the replies of COMMITs sent after their retrieve
+#: returned (lmcache_mp.session.commits): a live server answers in milliseconds.
+COMMITS_SETTLE_S = 1.0
 
 #: ``"lmcache"``: the server maps the cache and copies blocks itself; ``"engine"``: this
 #: client copies blocks through the server's shared-memory pool (CPU caches).
@@ -105,6 +112,9 @@ class Registration:
         self._state = BindingState(owner.stale_after)
         self._recover_lock = threading.Lock()
         self._requests: weakref.WeakSet[Request] = weakref.WeakSet()
+        # COMMIT_RETRIEVEs of engine-driven retrieves that returned before the reply
+        # (lmcache_mp.session.commits says why that is safe).
+        self._commits = UnconfirmedCommits()
         #: How many times this registration was re-sent on its own (restart, reap).
         self.recoveries = 0
 
@@ -455,6 +465,7 @@ class Registration:
         """PREPARE_* bound to the current connection, re-registering when it changed; the
         reply frames, not yet decoded (a reply that cannot be read must still be followed
         by the COMMIT that releases what the server took)."""
+        self._commits.collect()
         conn = self._conn
         worker, instance_id = self._worker(key), self.instance_id
         while True:
@@ -506,7 +517,8 @@ class Registration:
                          deadline: float, stream: Any = None) -> ReplyFuture[bool]:
         """PREPARE_RETRIEVE, copy the slots into the blocks, COMMIT_RETRIEVE (which
         releases the LOOKUP's read locks, also when the reply was unreadable or the copy
-        failed)."""
+        failed). Resolved once the COMMIT is sent: its reply is read later
+        (lmcache_mp.session.commits)."""
         b, wire, op, frames = self._prepare("PREPARE_RETRIEVE", key, deadline)
         commit = {"key": wire, "instance_id": self.instance_id}
         try:
@@ -526,7 +538,11 @@ class Registration:
                     f"{exc}. No block was written; the COMMIT_RETRIEVE that releases the "
                     f"server's read locks was sent") from None
             raise
-        return self._commit("COMMIT_RETRIEVE", commit, b, deadline, _true)
+        # The blocks are written: the COMMIT's reply (``True`` on every release) is
+        # read later (lmcache_mp.session.commits), not waited for here.
+        self._commits.add("COMMIT_RETRIEVE",
+                          self._commit("COMMIT_RETRIEVE", commit, b, deadline, _true))
+        return ReplyFuture.completed(True)
 
     def _commit(self, op_name: str, payloads: Payloads, b: Binding, deadline: float,
                 convert: Callable[[Any], bool]) -> ReplyFuture[bool]:
@@ -567,6 +583,7 @@ class Registration:
             req.close()
         # Under the recovery lock: a re-registration in progress finishes first, and
         # none can bring this registration back afterwards (no ghost on the server).
+        self._commits.settle(COMMITS_SETTLE_S)
         with self._recover_lock:
             b = self._state.unregistered()
         if b is None:

@@ -7,6 +7,8 @@ transfer names, the calls' defaults. Expected bytes come from a plain reference 
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -64,7 +66,7 @@ def test_engine_driven_store_and_retrieve_use_checked_slots(fake: FakeServer,
             assert req.retrieve(list(range(40, 72))) is True
         for a, b in zip(range(1, 33), range(40, 72), strict=True):
             assert kv.block_bytes(0, a) == kv.block_bytes(0, b)
-        ops = fake.ops()
+        ops = fake.wait_seen("COMMIT_RETRIEVE")
         assert ops.count("COMMIT_STORE") == 1 and ops.count("COMMIT_RETRIEVE") == 1
         # A slot of the wrong dtype is refused before a byte is copied.
         fake.slot_geometry = {**slot_geometry(kv), "dtype": "bfloat16"}
@@ -152,8 +154,54 @@ def test_engine_retrieve_copies_each_slot_into_its_blocks(fake: FakeServer, skip
             assert reg.retrieve(key(reg, tokens(2)), ids, skip_first_n_tokens=skip) is True
             for layer, want in zip(cache.layers, expected, strict=True):
                 assert np.array_equal(layer.view(np.uint8), want.view(np.uint8))
-            assert fake.ops()[-1] == "COMMIT_RETRIEVE"
+            assert fake.wait_seen("COMMIT_RETRIEVE")[-1] == "COMMIT_RETRIEVE"
             reg.unregister()
+
+
+def test_an_engine_retrieve_is_done_when_its_blocks_are_written(fake: FakeServer,
+                                                                kv: CpuKVCache) -> None:
+    # Issue 38: the COMMIT_RETRIEVE only releases the read locks (its reply is True on
+    # every release), so the retrieve does not wait for that reply: a warm request's
+    # load is reported a server round trip sooner. The reply is still read.
+    fake.slot_geometry = slot_geometry(kv)
+    answer = fake._op_commit_retrieve
+
+    def slow_commit(payloads: list[Any]) -> Any:
+        time.sleep(2.0)
+        return answer(*payloads)
+
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=5) as c:
+        reg = c.register(kv, model_name="m", mode="engine")
+        with reg.request(tokens(2)) as req:
+            assert req.store(list(range(1, 33))) is True
+            assert req.lookup() == 2 * CHUNK
+            fake.hooks["COMMIT_RETRIEVE"] = slow_commit
+            t0 = time.monotonic()
+            assert req.retrieve(list(range(40, 72))) is True
+            took = time.monotonic() - t0
+        assert took < 1.5, f"the retrieve waited {took:.2f} s, for its COMMIT's reply"
+        for a, b in zip(range(1, 33), range(40, 72), strict=True):
+            assert kv.block_bytes(0, a) == kv.block_bytes(0, b)
+        assert "COMMIT_RETRIEVE" in fake.wait_seen("COMMIT_RETRIEVE")
+        reg.unregister()
+        assert not any(fake.state.locks.values())  # the lookup's locks were released
+
+
+def test_an_unanswered_commit_retrieve_is_logged_not_raised(
+        fake: FakeServer, kv: CpuKVCache, caplog: pytest.LogCaptureFixture) -> None:
+    fake.slot_geometry = slot_geometry(kv)
+    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=5) as c:
+        reg = c.register(kv, model_name="m", mode="engine")
+        with reg.request(tokens(2)) as req:
+            assert req.store(list(range(1, 33))) is True
+            assert req.lookup() == 2 * CHUNK
+            fake.drop.add("COMMIT_RETRIEVE")
+            # The blocks are written under the locks: True, whatever the reply.
+            assert req.retrieve(list(range(40, 72)), timeout=0.3) is True
+        time.sleep(0.4)  # past the COMMIT's deadline (the retrieve's)
+        with caplog.at_level(logging.WARNING, logger="lmcache_mp"):
+            reg.unregister()
+        assert "COMMIT_RETRIEVE sent after a completed retrieve was not confirmed" in caplog.text
 
 
 def test_engine_store_with_everything_cached_and_a_retrieve_miss(fake: FakeServer,

@@ -108,6 +108,18 @@ class FakeServer:
         with self._lock:
             return [s for s in self.seen if s.op == op]
 
+    def wait_seen(self, op: str, count: int = 1, timeout: float = 5.0) -> list[str]:
+        """The ops received, once ``op`` is among them ``count`` times: a request the
+        client sent without waiting for its reply (a COMMIT_RETRIEVE) may still be on
+        its way when the call returns."""
+        deadline = time.monotonic() + timeout
+        while self.ops().count(op) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{op} not received {count} times within {timeout} s: "
+                                     f"{self.ops()}")
+            time.sleep(0.002)
+        return self.ops()
+
     def _bind(self) -> zmq.Socket[bytes]:
         # A socket just closed releases its port asynchronously (in ZMQ's I/O
         # thread), so a restart retries the bind for a moment.
