@@ -197,8 +197,8 @@ def test_an_unanswered_commit_retrieve_is_logged_not_raised(
             assert req.lookup() == 2 * CHUNK
             fake.drop.add("COMMIT_RETRIEVE")
             # The blocks are written under the locks: True, whatever the reply.
-            assert req.retrieve(list(range(40, 72)), timeout=0.3) is True
-        time.sleep(0.4)  # past the COMMIT's deadline (the retrieve's)
+            assert req.retrieve(list(range(40, 72)), timeout=1.0) is True
+        time.sleep(1.1)  # past the COMMIT's deadline (the retrieve's)
         with caplog.at_level(logging.WARNING, logger="lmcache_mp"):
             reg.unregister()
         assert "COMMIT_RETRIEVE sent after a completed retrieve was not confirmed" in caplog.text
