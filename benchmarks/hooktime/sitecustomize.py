@@ -10,8 +10,9 @@ wrapping) has its hooks wrapped: calls, thread CPU time and wall time per hook, 
 pickled size of each step's connector metadata (what vLLM sends the workers); and the
 CPU time of the connectors' own background threads (names starting with one of
 ``_BACKGROUND``: ours ``lmcache-mp-*``, LMCache's client loop ``mq-client-*`` and its
-``lmcache*`` threads), read from /proc (10 ms ticks), since work moved off the hooks'
-threads still costs the engine's CPU. Each process writes ``hooks-<pid>.json`` there
+``lmcache*`` threads), read from each thread's CPU-time clock (``/proc``'s 10 ms ticks
+where there is none), since work moved off the hooks' threads still costs the engine's
+CPU. Each process writes ``hooks-<pid>.json`` there
 (at most every half second, and at exit): cumulative totals, so the last write is the
 answer.
 
@@ -78,16 +79,28 @@ if _DIR:
     _threads: dict = {}
     _TICK = os.sysconf("SC_CLK_TCK")
 
+    def _thread_cpu(t: threading.Thread) -> float | None:
+        """``t``'s CPU seconds: its POSIX CPU-time clock (nanoseconds), else /proc's
+        utime + stime (10 ms ticks: a short run's few ticks per thread were most of
+        the background figure's noise, issue 38)."""
+        try:
+            return time.clock_gettime_ns(time.pthread_getcpuclockid(t.ident)) / 1e9
+        except (AttributeError, OSError, TypeError):
+            pass
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / _TICK
+
     def _read_threads() -> None:
         for t in threading.enumerate():
             if t.native_id is None or not t.name.startswith(_BACKGROUND):
                 continue
-            try:
-                with open(f"/proc/self/task/{t.native_id}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            _threads[t.native_id] = (t.name, (int(fields[11]) + int(fields[12])) / _TICK)
+            cpu = _thread_cpu(t)
+            if cpu is not None:  # None: it ended just now (it keeps its last reading)
+                _threads[t.native_id] = (t.name, cpu)
 
     _dump_lock = threading.Lock()
 
