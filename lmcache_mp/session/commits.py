@@ -11,8 +11,11 @@ changes nothing either: its new pool is a new segment (engine_driven.PoolMaps), 
 copy read the mapping of the one that pinned the slots.
 
 The replies are still read, here: each new commit and each engine-driven transfer
-collects those that came in, and :meth:`UnconfirmedCommits.settle` (at unregister)
-waits for the rest within a bound. One that failed (no reply within the retrieve's
+collects those that came in, and :meth:`UnconfirmedCommits.settle` waits for the rest
+within a bound: at unregister, and before a :class:`~lmcache_mp.session.request.Request`
+ends its server session (else the END_SESSION, sent on the same connection right after the
+retrieve returned, could be handled first on the server's thread pool, and LMCache 0.5.6's
+``commit_retrieve`` would then recreate the session it ended). One that failed (no reply within the retrieve's
 deadline, a server error) is logged: the server then frees the locks at its read-lock
 TTL, as after any lost COMMIT.
 """
@@ -37,10 +40,6 @@ class UnconfirmedCommits:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: list[tuple[str, ReplyFuture[Any]]] = []
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._pending)
 
     def add(self, op_name: str, future: ReplyFuture[Any]) -> None:
         self.collect()
