@@ -26,6 +26,7 @@ from lmcache_mp.protocol import get_profile
 from lmcache_mp.protocol.hashing import chunk_hashes
 
 from ..conftest import free_port
+from .polling import wait_until
 
 _enc = msgspec.msgpack.encode
 
@@ -112,12 +113,9 @@ class FakeServer:
         """The ops received, once ``op`` is among them ``count`` times: a request the
         client sent without waiting for its reply (a COMMIT_RETRIEVE) may still be on
         its way when the call returns."""
-        deadline = time.monotonic() + timeout
-        while self.ops().count(op) < count:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{op} not received {count} times within {timeout} s: "
-                                     f"{self.ops()}")
-            time.sleep(0.002)
+        if not wait_until(lambda: self.ops().count(op) >= count, timeout, interval=0.002):
+            raise AssertionError(f"{op} not received {count} times within {timeout} s: "
+                                 f"{self.ops()}")
         return self.ops()
 
     def _bind(self) -> zmq.Socket[bytes]:
