@@ -544,12 +544,6 @@ class Registration:
                           self._commit("COMMIT_RETRIEVE", commit, b, deadline, _true))
         return ReplyFuture.completed(True)
 
-    def confirm_commits(self, seconds: float = COMMITS_SETTLE_S) -> None:
-        """Wait (at most ``seconds``) for the replies of the COMMIT_RETRIEVEs that
-        retrieves returned before (lmcache_mp.session.commits): before a session ends
-        or the registration goes."""
-        self._commits.settle(seconds)
-
     def _commit(self, op_name: str, payloads: Payloads, b: Binding, deadline: float,
                 convert: Callable[[Any], bool]) -> ReplyFuture[bool]:
         conn, state = self._conn, self._state
@@ -587,7 +581,7 @@ class Registration:
         answer (it then reaps the silent registration itself)."""
         for req in list(self._requests):
             req.close()
-        self.confirm_commits()
+        self._commits.settle(COMMITS_SETTLE_S)
         # Under the recovery lock: a re-registration in progress finishes first, and
         # none can bring this registration back afterwards (no ghost on the server).
         with self._recover_lock:

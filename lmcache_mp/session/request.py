@@ -48,8 +48,6 @@ class RequestOwner(Protocol):
                        skip_first_n_tokens: int = 0, timeout: float | None = None,
                        stream: Any = None) -> ReplyFuture[bool]: ...
 
-    def confirm_commits(self) -> None: ...
-
 
 class Request:
     """A prompt bound to a registration (see :meth:`Registration.request`). A context
@@ -198,8 +196,6 @@ class Request:
                     conn.call("FREE_LOOKUP_LOCKS",
                               conn.profile.all_ranks_payloads(key, self._tp_size, self._mla),
                               timeout)
-            # A retrieve returns before its COMMIT's reply: that COMMIT is handled first.
-            self._reg.confirm_commits()
             conn.call("END_SESSION", {"request_id": self.request_id}, timeout)
         except LMCacheMPError as err:
             log.warning("lmcache_mp: closing request %r: %s", self.request_id, err)

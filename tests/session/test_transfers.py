@@ -187,44 +187,6 @@ def test_an_engine_retrieve_is_done_when_its_blocks_are_written(fake: FakeServer
         assert not any(fake.state.locks.values())  # the lookup's locks were released
 
 
-def test_a_request_ends_its_session_after_its_commit_is_answered(fake: FakeServer,
-                                                                kv: CpuKVCache) -> None:
-    # The retrieve returns before its COMMIT_RETRIEVE's reply; the END_SESSION that the
-    # request's close sends next must not overtake it on the server (LMCache 0.5.6
-    # handles both on a thread pool; a COMMIT handled after the END recreates the
-    # session). So close() waits for the COMMIT's reply first.
-    fake.slot_geometry = slot_geometry(kv)
-    ends_seen_when_answered: list[int] = []
-    answer = fake._op_commit_retrieve
-
-    def commit(payloads: list[Any]) -> Any:
-        # On the scripted server's thread, which holds its lock: read ``seen`` directly.
-        ends_seen_when_answered.append(sum(s.op == "END_SESSION" for s in fake.seen))
-        return answer(*payloads)
-
-    with Client(fake.url, protocol="0.5.3", heartbeat_interval=None, timeout=5) as c:
-        reg = c.register(kv, model_name="m", mode="engine")
-        with reg.request(tokens(2)) as req:
-            assert req.store(list(range(1, 33))) is True
-        ends = fake.ops().count("END_SESSION")
-        fake.hooks["COMMIT_RETRIEVE"] = commit
-        confirmed: list[int] = []
-        confirm = reg.confirm_commits
-
-        def spy() -> None:
-            confirm()
-            confirmed.append(fake.ops().count("END_SESSION"))
-
-        reg.confirm_commits = spy  # type: ignore[method-assign]
-        with reg.request(tokens(2)) as req:
-            assert req.lookup() == 2 * CHUNK
-            assert req.retrieve(list(range(40, 72))) is True
-        # The COMMIT was answered, and close() had it confirmed, before its END_SESSION.
-        assert ends_seen_when_answered == [ends] and confirmed == [ends]
-        assert fake.ops().count("END_SESSION") == ends + 1
-        reg.unregister()
-
-
 def test_an_unanswered_commit_retrieve_is_logged_not_raised(
         fake: FakeServer, kv: CpuKVCache, caplog: pytest.LogCaptureFixture) -> None:
     fake.slot_geometry = slot_geometry(kv)
