@@ -9,6 +9,10 @@ VENV := .venv
 # every module it imports from source again: vLLM's import took 13.7 CPU-s instead of
 # 6.2, an LMCache server's start ~3.5 CPU-s more, hundreds of times a `make test`.
 unexport PYTHONDONTWRITEBYTECODE
+# vLLM's import makes torch's inductor cache dir, /tmp/torchinductor_$USER by default,
+# and left it there after every make test and demo (its engines run eager: it stays
+# empty). In build/ instead, with the tests' and demos' other leftovers.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/build/torchinductor
 
 .PHONY: setup oracle vllm-venv valkey p2p demo demo-cluster demo-vllm test lint unit fixtures bench bench-smoke bench-vllm bench-vllm-smoke bench-vllm-workloads readme clean mutate mutate-report
 

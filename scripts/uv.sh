@@ -50,6 +50,10 @@ uv_venv() {
 
 uv_install() {
   local dir=$1; shift
-  "$(uv_bin)" pip install -q --python "$dir/bin/python" --find-links "$uv_torch_wheels" \
+  # TMPDIR: uv (0.7.16 and later, astral-sh/uv#14385) leaves an empty
+  # uv-setuptools-HASH.lock in the temp dir after building a package from source;
+  # ours stay in .tools/uv-tmp, not the system's /tmp.
+  mkdir -p "$uv_repo/.tools/uv-tmp"
+  TMPDIR="$uv_repo/.tools/uv-tmp" "$(uv_bin)" pip install -q --python "$dir/bin/python" --find-links "$uv_torch_wheels" \
     --constraint "$uv_constraints" "$@"
 }

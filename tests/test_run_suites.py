@@ -31,3 +31,17 @@ def test_an_alone_job_only_where_its_test_runs() -> None:
     assert rs.ALONE_RELEASES == (test_real_engine.SEVERAL_PROCESS_RELEASE,)
     assert alone == [f"alone-{r}" for r in rs.ALONE_RELEASES]
     assert set(rs.ALONE_RELEASES) <= set(releases)
+
+
+def test_engine_jobs_exactly_where_real_engines_run() -> None:
+    """The real-engine jobs (``engines-REL``) match test_real_engine.py's
+    ENGINE_RELEASES: a job for another release would start a server to skip every test,
+    and one missing would leave that release's real engines out of ``make test``."""
+    from tests.integrations.vllm import test_real_engine
+
+    rs = run_suites()
+    releases = makefile_releases()
+    engines = [j.name for j in rs.jobs_for(releases, None) if j.name.startswith("engines-")]
+    assert rs.ENGINE_RELEASES == test_real_engine.ENGINE_RELEASES
+    assert sorted(engines) == sorted(f"engines-{r}" for r in rs.ENGINE_RELEASES)
+    assert set(rs.ENGINE_RELEASES) <= set(releases)
