@@ -24,6 +24,9 @@ vLLM's front end, ``LLMEngine.add_request``):
   with the request's first token (``execute`` is the model runner's share);
 * ``to_frontend``: -> the front end's ``OutputProcessor.process_outputs`` with it;
 * ``ttft``: A -> that (vLLM's own ``first_token_latency`` is reported beside it);
+  with ``lmcache.mp.sync_load`` the RETRIEVE is sent in the step that schedules the
+  request: ``to_reported`` and ``to_scheduled`` are 0 and ``forward`` runs from the
+  RETRIEVE's end (in ``start_load_kv``) to the first token;
   ``steps``: the engine core's scheduler steps from its arrival to its scheduling.
 """
 
@@ -92,10 +95,18 @@ def request_phases(entries: list[list[Any]], rid: str) -> dict[str, Any] | None:
             or _first(entries, "lmcache.retrieve", where=_has("requests", rid)))
     if answer is None or sent is None:
         return None
-    reported = _first(entries, "vllm.update_from_output", after=float(sent[0]),
-                      where=_has("recving", rid))
-    scheduled = _first(entries, "vllm.schedule", after=float(sent[0]),
-                       where=lambda e: rid in ((e[5] or {}).get("tokens") or {}))
+    gives_tokens = lambda e: rid in ((e[5] or {}).get("tokens") or {})  # noqa: E731
+    # A synchronous load (lmcache.mp.sync_load): the step whose schedule answered the
+    # lookup gives the request its tokens, and its worker sends the RETRIEVE before
+    # that step's forward pass: nothing to report, nothing to wait for.
+    sync = next((e for e in entries if e[2] == "vllm.schedule" and gives_tokens(e)
+                 and e[0] <= answer[0] <= _end(e)), None)
+    if sync is not None:
+        reported = scheduled = sent
+    else:
+        reported = _first(entries, "vllm.update_from_output", after=float(sent[0]),
+                          where=_has("recving", rid))
+        scheduled = _first(entries, "vllm.schedule", after=float(sent[0]), where=gives_tokens)
     if reported is None or scheduled is None:
         return None
     token = _first(entries, "vllm.update_from_output", after=float(scheduled[0]),
@@ -105,19 +116,21 @@ def request_phases(entries: list[list[Any]], rid: str) -> dict[str, Any] | None:
     if token is None or shown is None:
         return None
     marks = [a, float(core[0]), _end(answer), float(sent[0]), _end(sent), _end(reported),
-             float(scheduled[0]), _end(token), float(shown[0])]
+             _end(sent) if sync is not None else float(scheduled[0]), _end(token),
+             float(shown[0])]
     out: dict[str, Any] = {p: (marks[i + 1] - marks[i]) * 1e3 for i, p in enumerate(PHASES)}
     out["ttft"] = (marks[-1] - a) * 1e3
     prepare = _first(entries, "ours.prepare", after=float(sent[0]), rid=rid)
     copy = _first(entries, "ours.copy_from_slots", after=float(sent[0]))
     out["prepare"] = prepare[1] / 1e3 if prepare and prepare[0] < _end(sent) else None
     out["copy"] = copy[1] / 1e3 if copy and copy[0] < _end(sent) else None
+    step_start = float((sync or scheduled)[0])
     out["execute"] = sum(e[1] for e in entries
                          if e[2] in ("vllm.execute_model", "vllm.sample_tokens")
-                         and scheduled[0] <= e[0] <= _end(token)) / 1e3
+                         and step_start <= e[0] <= _end(token)) / 1e3
     out["not_yet"] = sum(1 for e in asks if str(e[3]).startswith("('None'"))
     out["steps"] = sum(1 for e in entries if e[2] == "vllm.schedule"
-                       and core[0] <= e[0] <= scheduled[0])
+                       and core[0] <= e[0] <= step_start)
     return out
 
 

@@ -16,7 +16,9 @@ tokens. Three contenders, each one engine (a fresh process) that runs every roun
 
 * ``none``: no connector: the recompute baseline and the reference tokens;
 * ``ours``: lmcache_mp's connector; ``lmcache``: LMCache's own (the release's oracle
-  venv, the same vLLM tree).
+  venv, the same vLLM tree);
+* ``ours-sync`` (``--contenders none,ours,ours-sync,lmcache``): ours with
+  ``lmcache.mp.sync_load`` (a warm request computed in the step that loads it).
 
 In every round each length gets a new prompt (the same token ids for every contender);
 a connector engine runs it cold (a miss: computed, stored), then again warm (vLLM's
@@ -94,7 +96,10 @@ CHUNKED_FROM = 16384  # prompts this long are prefilled 512 tokens a step (their
 CHUNKED_STEP = 512
 CONTENDERS = ("none", "ours", "lmcache")
 #: Every contender in table order ("before": ours from --before's checkout).
-ORDER = ("none", "before", "ours", "lmcache")
+ORDER = ("none", "before", "ours", "ours-sync", "lmcache")
+#: Contenders that are our connector: with the settings they add to its config.
+OURS_VARIANTS: dict[str, dict[str, Any]] = {"ours": {}, "before": {},
+                                             "ours-sync": {"lmcache.mp.sync_load": True}}
 #: A hook that does nothing in either connector: its CPU per call is hooktime's own.
 NOOP_HOOK = "worker.wait_for_layer_load"
 
@@ -207,8 +212,8 @@ def engine_spec(contender: str, url: str, lengths: list[int], rounds: int,
         "max_num_batched_tokens": CHUNKED_STEP if chunked else max(lengths) + 64,
         "max_num_seqs": 1, "rounds": spec_rounds}
     if contender != "none":
-        spec["connector"] = "ours" if contender == "before" else contender
-        spec["extra"] = {"lmcache.mp.server_urls": [url]}
+        spec["connector"] = "ours" if contender in OURS_VARIANTS else contender
+        spec["extra"] = {"lmcache.mp.server_urls": [url], **OURS_VARIANTS.get(contender, {})}
     return spec
 
 

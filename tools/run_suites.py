@@ -119,14 +119,14 @@ def jobs_for(releases: list[str], tree_venv: str | None,
             {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_venv}, 200))
     if tree_034_venv:
         # vLLM 0.34's scheduler, V2 worker wiring and extensible KV cache against the
-        # newest release: what 0.34 changed (test_vllm_034.py), sleep / wake, and the
-        # layouts, TP=2 and MLA on its extensible cache (LMCache 0.5.7rc2's own
+        # newest release: what 0.34 changed (test_vllm_034.py), sleep / wake, a
+        # synchronous load, and the layouts, TP=2 and MLA on its extensible cache (LMCache 0.5.7rc2's own
         # connector fails under 0.34's scheduler: no cross tests here).
         jobs.append(Job(f"vllm-tree-0.34-{newest}", [
             "-m", "live", "tests/integrations/vllm/test_vllm_034.py",
             "tests/integrations/vllm/test_vllm_live.py", "-k",
             "test_vllm_034 or physical_layout or tensor_parallel_two_ranks or mla_store "
-            "or sleep"],
+            "or sleep or sync_load_is_in"],
             {"LMCACHE_MP_SERVER_VERSION": newest, "LMCACHE_MP_VLLM_VENV": tree_034_venv}, 190))
     return sorted(jobs, key=lambda j: -j.expected_s)
 

@@ -56,16 +56,22 @@ class LMCacheMPClientMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.step = step
 
 
-class FailedStores(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """STOREs a worker could not make in a step (vLLM's request id, start, end),
-    united over the ranks by vLLM (``aggregate``) for the scheduler side, which
-    withdraws the ``BlockStored`` events it published for them."""
+class WorkerReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What a worker did in a step that vLLM's own output does not carry, united over
+    the ranks by vLLM (``aggregate``) for the scheduler side: the STOREs it could not
+    make (vLLM's request id, start, end: the scheduler withdraws the ``BlockStored``
+    events it published for them), and the requests whose synchronous load
+    (``lmcache.mp.sync_load``) ended, well or not (every rank ends those in the step
+    that ordered them: vLLM's output of that step carries the failed blocks)."""
 
-    def __init__(self, failed: set[tuple[str, int, int]]) -> None:
+    def __init__(self, failed: set[tuple[str, int, int]],
+                 sync_loaded: set[str] | None = None) -> None:
         self.failed = failed
+        self.sync_loaded = sync_loaded or set()
 
-    def aggregate(self, other: Any) -> FailedStores:
-        return FailedStores(self.failed | getattr(other, "failed", set()))
+    def aggregate(self, other: Any) -> WorkerReport:
+        return WorkerReport(self.failed | getattr(other, "failed", set()),
+                            self.sync_loaded | getattr(other, "sync_loaded", set()))
 
 
 #: How long the scheduler's first health check waits for a server its workers have just
@@ -219,11 +225,14 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.load_errors() if self.worker is not None else set()
 
-    def build_connector_worker_meta(self) -> FailedStores | None:
-        """This rank's STOREs that failed or were skipped since the last step, for the
-        scheduler side (its KV events: ``take_events``)."""
-        failed = self.worker.failed_stores() if self.worker is not None else set()
-        return FailedStores(failed) if failed else None
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        """This rank's STOREs that failed or were skipped since the last step (for the
+        scheduler side's KV events: ``take_events``), and its synchronous loads that
+        ended (the scheduler's RETRIEVE is then done)."""
+        if self.worker is None:
+            return None
+        failed, loaded = self.worker.failed_stores(), self.worker.sync_loads_ended()
+        return WorkerReport(failed, loaded) if failed or loaded else None
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -298,11 +307,11 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
         self.scheduler.update_connector_output(
             connector_output.finished_recving, connector_output.finished_sending,
             getattr(connector_output, "invalid_block_ids", None),
-            getattr(getattr(connector_output, "kv_connector_worker_meta", None), "failed",
-                    None))
+            getattr(report, "failed", None), getattr(report, "sync_loaded", None))
 
     @property
     def requires_kv_delivery(self) -> bool:

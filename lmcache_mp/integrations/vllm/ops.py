@@ -36,6 +36,11 @@ class TransferOp:
     #: (vLLM granted less than the hit, ending inside a chunk): reported failed with
     #: the load, so vLLM computes them instead of reading what they held.
     unloaded_block_ids: tuple[int, ...] = ()
+    #: RETRIEVE: vLLM computes the request in this step (``lmcache.mp.sync_load``):
+    #: ``start_load_kv`` waits for it, and its end is reported with the step's output
+    #: (``SyncLoads``), never as "finished receiving" (vLLM only expects that of a
+    #: request waiting for its load).
+    sync: bool = False
 
     @property
     def wire_id(self) -> str:

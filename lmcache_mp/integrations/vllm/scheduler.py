@@ -148,6 +148,11 @@ class Tracker:
     #: would otherwise look up, load and fail again, forever, while the server
     #: answers lookups but the load cannot work); it computes, and stores, what it needs.
     load_failed: bool = False
+    #: Its RETRIEVE was synchronous (``lmcache.mp.sync_load``): vLLM computed the
+    #: request in that step, so once that load failed the request orders no more STOREs
+    #: (its blocks after the failed ones hold KV computed over them until vLLM computes
+    #: them again, and what it has computed is not tracked across vLLM's rewind).
+    sync_load: bool = False
     #: Keyed before a cache reset (:meth:`SchedulerSide.reset`) while holding blocks, or
     #: told a hit vLLM may have allocated for already: it finishes on what it holds (a
     #: load under the key it was looked up with), and orders no more STOREs (its KV is
@@ -491,7 +496,10 @@ class SchedulerSide:
         if hit == t.num_tokens:
             need = max(0, need - 1)  # vLLM must compute at least the last token
         t.offered = need
-        return need, need > 0
+        # Asynchronous (True): vLLM waits for the load's "finished receiving" report
+        # and schedules the request in a later step; synchronous: now, the workers
+        # loading before the forward pass (lmcache.mp.sync_load).
+        return need, need > 0 and not self.cfg.sync_load
 
     def _look_up_again(self, request: Any, t: Tracker) -> Tracker:
         """A lookup made before a cache reset (``Tracker.frozen``), or answered long
@@ -730,9 +738,10 @@ class SchedulerSide:
         assert chunk is not None and t.hit is not None
         start = t.vllm_hit // chunk * chunk
         end = max(start, t.load_end)
+        t.sync_load = self.cfg.sync_load
         op = TransferOp("RETRIEVE", t.request_id, start, end, self._blocks(t, start, end),
                         t.salt, min(end, t.vllm_hit) - start, t.session_id,
-                        unloaded_block_ids=t.unloaded_blocks)
+                        unloaded_block_ids=t.unloaded_blocks, sync=t.sync_load)
         # What vLLM is told failed if the load fails (the unloaded blocks are
         # reported too, but are no failure of the cache).
         t.load_blocks = frozenset(op.written_block_ids)
@@ -753,7 +762,8 @@ class SchedulerSide:
 
     def _store_op(self, t: Tracker) -> TransferOp | None:
         chunk = self.chunk_size
-        if t.state is State.BYPASS or not self.stores or chunk is None or t.frozen:
+        if t.state is State.BYPASS or not self.stores or chunk is None or t.frozen or (
+                t.sync_load and t.load_failed):
             return None
         if not self.cfg.save_decode_cache and t.stored + chunk > t.num_prompt_tokens:
             return None  # every whole prompt chunk ordered: a decode step's usual answer
@@ -792,14 +802,15 @@ class SchedulerSide:
     def update_connector_output(self, finished_recving: Iterable[str] | None,
                                 finished_sending: Iterable[str] | None = None,
                                 invalid_block_ids: Iterable[int] | None = None,
-                                failed_stores: Iterable[tuple[str, int, int]] | None = None
-                                ) -> None:
+                                failed_stores: Iterable[tuple[str, int, int]] | None = None,
+                                sync_loaded: Iterable[str] | None = None) -> None:
         """The workers' reports of a step (all ranks): loads that are done, held
         requests whose stores are done, the blocks of failed loads (a request whose
         load failed is never loaded again: ``Tracker.load_failed``), and STOREs that
         failed or were skipped on some rank (vLLM's request id, start, end: their
-        ``BlockStored`` events are withdrawn)."""
-        done = set(finished_recving or ())
+        ``BlockStored`` events are withdrawn), and synchronous loads that ended (their
+        failed blocks, if any, are in the same report)."""
+        done = set(finished_recving or ()) | set(sync_loaded or ())
         sent = set(finished_sending or ())
         invalid = set(invalid_block_ids or ())
         failed = set(failed_stores or ())
@@ -843,7 +854,10 @@ class SchedulerSide:
         t = self.trackers.pop(request.request_id, None)
         if t is None:
             return False
-        hold = t.stores_ordered and not t.load_ordered and t.state is not State.LOADING
+        # A request waiting for its asynchronous load is held by vLLM until "finished
+        # receiving"; one loaded synchronously runs, and its STOREs need the hold.
+        hold = (t.stores_ordered and (t.sync_load or not t.load_ordered)
+                and t.state is not State.LOADING)
         if hold:
             self._held.append(t.request_id)
             t.sending = True

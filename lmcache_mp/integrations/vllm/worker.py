@@ -36,6 +36,9 @@ reads the KV of computed tokens, which vLLM does not rewrite while the request r
 keeps for a finished request until its stores are reported done, and reuses a
 preempted request's blocks only once :meth:`flush_stores` waited for that request's
 stores. CUDA caches keep the calling thread (their order is the current stream's).
+With ``lmcache.mp.sync_load`` a warm request is scheduled in the step its RETRIEVE is
+ordered in: ``start_load_kv`` waits for that RETRIEVE before the forward pass reads the
+blocks, and settles it there (``_end_sync_loads``).
 
 A step that schedules no tokens (``StepOps.idle``: every request waits, a warm one for
 its load) runs no forward pass: there ``get_finished`` waits for the loads in flight,
@@ -74,6 +77,10 @@ log = logging.getLogger("lmcache_mp")
 #: flight (their COMMITs' replies; a load still running then is reported by a later
 #: step, as in other steps): bounded, since a new request waits for this step's end.
 IDLE_LOAD_WAIT_S = 0.1
+#: How much longer than ``transfer_timeout`` ``start_load_kv`` waits for a synchronous
+#: load (its reply's own deadline is ``transfer_timeout``; this only covers a late
+#: resolution): past it the load counts as failed.
+SYNC_LOAD_GRACE_S = 5.0
 
 
 class _Background:
@@ -152,6 +159,11 @@ class WorkerSide:
         #: STOREs that failed or were not sent since the scheduler last took them
         #: (vLLM's request id, start, end): their KV events are withdrawn.
         self._failed_stores: set[tuple[str, int, int]] = set()
+        #: Requests whose synchronous load ended since the scheduler last took them.
+        self._sync_loaded: set[str] = set()
+        #: Requests whose synchronous load failed: vLLM's forward pass computed over the
+        #: failed blocks, so none of their STOREs is made (until vLLM finishes them).
+        self._no_stores: set[str] = set()
         #: Counters for tests and logs.
         self.stats = {"retrieved": 0, "stored": 0, "load_errors": 0, "store_errors": 0,
                       "skipped_stores": 0}
@@ -316,6 +328,26 @@ class WorkerSide:
         with self._one_event():
             for op in step.retrieves():
                 self._start_load(op)
+        sync = {op.request_id for op in step.retrieves() if op.sync}
+        if sync:
+            self._end_sync_loads(sync)
+
+    def _end_sync_loads(self, request_ids: set[str]) -> None:
+        """The step's synchronous loads (``lmcache.mp.sync_load``), waited for here,
+        before the forward pass computes over their blocks, and settled: their failed
+        blocks go to vLLM with this step's output (``get_block_ids_with_load_errors``).
+        A request with a block this load did not write (failed, or one no whole chunk
+        covers: ``TransferOp.unloaded_block_ids``) makes no STORE from now on: this
+        step's forward pass computes its later tokens over that block."""
+        deadline = time.monotonic() + self.cfg.transfer_timeout + SYNC_LOAD_GRACE_S
+        for rid in sorted(request_ids):
+            loads = self._loads.pop(rid, [])
+            for future, *_ in loads:
+                if future is not None:
+                    future.wait(max(0.0, deadline - time.monotonic()))
+            if not self._settle_loads(rid, loads) or any(entry[4] for entry in loads):
+                self._no_stores.add(rid)
+            self._sync_loaded.add(rid)
 
     def _start_load(self, op: TransferOp) -> None:
         future: Any = None
@@ -348,6 +380,13 @@ class WorkerSide:
                 self._start_store(op)
 
     def _start_store(self, op: TransferOp) -> None:
+        if op.request_id in self._no_stores:
+            # Its synchronous load failed: this step's forward pass computed its later
+            # tokens over the failed blocks (vLLM rewinds it and computes them again).
+            self.stats["skipped_stores"] += 1
+            self.metrics.add("skipped_stores")
+            self._failed_stores.add((op.request_id, op.start, op.end))
+            return
         if not self._usable():
             self.stats["skipped_stores"] += 1
             self.metrics.add("skipped_stores")
@@ -416,6 +455,8 @@ class WorkerSide:
         the loads in flight, at most ``IDLE_LOAD_WAIT_S``; module docstring).
         ``finished_req_ids`` (vLLM's) is not needed: the scheduler says which finished
         requests wait for their stores."""
+        if self._no_stores:
+            self._no_stores -= finished_req_ids
         if not (self._stores or self._held or self._loads):
             return set(), set()  # most steps: nothing in flight
         if self._learned is not None and self._learned.idle:
@@ -438,20 +479,35 @@ class WorkerSide:
             loads = self._loads[rid]
             if any(f is not None and not f.done() for f, *_ in loads):
                 continue
-            for future, blocks, tokens, submitted, unloaded in loads:
-                self._errors.update(unloaded)
-                if not self._load_ok(rid, future):
-                    self._errors.update(blocks)
-                    self.stats["load_errors"] += 1
-                    self.metrics.add("load_failures")
-                else:
-                    self.stats["retrieved"] += 1
-                    self.metrics.add("loads")
-                    self.metrics.add("loaded_tokens", tokens)
-                    self.metrics.observe("load_seconds", time.monotonic() - submitted)
+            self._settle_loads(rid, loads)
             del self._loads[rid]
             recving.add(rid)
         return sending, recving
+
+    def _settle_loads(self, rid: str, loads: list[tuple[Any, tuple[int, ...], int, float,
+                                                        tuple[int, ...]]]) -> bool:
+        """Count a request's finished loads; their failed blocks (and the blocks no
+        chunk covered) go to vLLM. True if every one succeeded."""
+        ok_all = True
+        for future, blocks, tokens, submitted, unloaded in loads:
+            self._errors.update(unloaded)
+            if future is not None and not future.done():
+                log.error("lmcache_mp connector: RETRIEVE of %s did not end within its "
+                          "deadline; vLLM recomputes", rid)
+                ok = False
+            else:
+                ok = self._load_ok(rid, future)
+            if not ok:
+                ok_all = False
+                self._errors.update(blocks)
+                self.stats["load_errors"] += 1
+                self.metrics.add("load_failures")
+            else:
+                self.stats["retrieved"] += 1
+                self.metrics.add("loads")
+                self.metrics.add("loaded_tokens", tokens)
+                self.metrics.observe("load_seconds", time.monotonic() - submitted)
+        return ok_all
 
     def _wait_for_loads(self, deadline: float) -> None:
         """Wait (until ``deadline``) for every load in flight: a step that runs no
@@ -479,6 +535,12 @@ class WorkerSide:
     def load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def sync_loads_ended(self) -> set[str]:
+        """Requests whose synchronous load ended since the last call (for the
+        scheduler: their RETRIEVE is done)."""
+        ended, self._sync_loaded = self._sync_loaded, set()
+        return ended
 
     def failed_stores(self) -> set[tuple[str, int, int]]:
         """STOREs that failed or were not sent since the last call (for the scheduler:

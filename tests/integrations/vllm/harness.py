@@ -129,6 +129,10 @@ class RequestResult:
     #: Times vLLM took computed tokens back from it while it kept running (a failed
     #: load's invalid blocks it holds), and its status when it left the engine.
     rewound: int = 0
+    #: Times it was first scheduled with a synchronous load (``lmcache.mp.sync_load``)
+    #: that failed in that step: its blocks were not checked then (vLLM rewinds it and
+    #: discards that step's output for it).
+    failed_sync_loads: int = 0
     status: str = ""
     output_tokens: int = 0
 
@@ -371,6 +375,9 @@ class Engine:
         self.on_retrieve_of: dict[str, Any] = {}
         #: num_computed_tokens of the running requests after the last step (rewinds).
         self._computed: dict[str, int] = {}
+        #: The step's checks of loaded blocks (rank, request id, blocks, tokens, upto),
+        #: made once the step's output says which loads failed.
+        self._checks: list[tuple[int, str, list[int], list[int], int]] = []
 
     def _observe(self) -> None:
         """Record what vLLM publishes and asks (``observe``)."""
@@ -567,6 +574,7 @@ class Engine:
             self._aggregator = KVOutputAggregator.from_connector(self.workers[0],
                                                                  len(self.workers))
         kvo = self._aggregator.aggregate(outputs).kv_connector_output
+        self._run_checks(set(getattr(kvo, "invalid_block_ids", None) or ()))
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -615,7 +623,7 @@ class Engine:
             elif rid in resumed and rank == 0:
                 res.resumed = [*(res.resumed or []), computed]
             if computed and (first or rid in resumed):
-                res.verified &= self._check(rank, blocks, tokens, computed)
+                self._checks.append((rank, rid, blocks, tokens, computed))
             pos = torch.arange(computed, computed + n)
             tok = torch.tensor(tokens[computed:computed + n])
             for li, name in enumerate(self.layer_names):
@@ -625,6 +633,19 @@ class Engine:
                 for plane, v in zip(self.planes[rank][name], [values] if self.mla else values,
                                     strict=True):
                     plane[at] = v
+
+    def _run_checks(self, invalid: set[int]) -> None:
+        """The step's checks of what a request found computed when first scheduled
+        (or resumed): after the forward pass, which writes only past it. A synchronous
+        load is made in the step itself; one that failed (its blocks in the step's
+        ``invalid_block_ids``) is not checked: vLLM rewinds the request and drops its
+        output of the step."""
+        checks, self._checks = self._checks, []
+        for rank, rid, blocks, tokens, upto in checks:
+            if invalid & set(blocks[:-(-upto // self.block_size)]):
+                self.results[rid].failed_sync_loads += rank == 0
+                continue
+            self.results[rid].verified &= self._check(rank, blocks, tokens, upto)
 
     def _slots(self, blocks: list[int], pos: torch.Tensor) -> tuple[Any, ...]:
         """The index of the tokens at ``pos`` in a plane of ``backend_planes``: it

@@ -294,7 +294,7 @@ def test_a_weights_version_the_keys_cannot_carry_is_refused_at_start(version: st
 def test_a_store_that_fails_withdraws_its_kv_event() -> None:
     """The scheduler announces a chunk stored (``BlockStored`` on CPU) when it orders
     the STORE; a worker whose STORE fails, or skips it (server down), reports it
-    (vLLM unites the ranks' ``FailedStores``), and the scheduler withdraws it
+    (vLLM unites the ranks' ``WorkerReport``), and the scheduler withdraws it
     (``BlockRemoved``). Before (4549dee) the event stood: a KV-aware router sent
     requests to a cache that never held the chunk."""
     reg, client = FakeReg(), FakeClient()

@@ -383,6 +383,14 @@ def test_cold_and_loaded_engines_match_no_connector(
     assert stored["lookups"] == len(MAIN) and stored["store_duration_seconds"] >= 2
     assert hit["hit_tokens"] == hit["loaded_tokens"] == whole, hit
     assert hit["load_failures"] == 0 and hit["load_duration_seconds"] == 2, hit
+    if SERVER_VERSION == NEWEST:  # release-independent (one engine more: CI time)
+        # lmcache.mp.sync_load: each request is computed in the step that loads it (the
+        # worker waits for the load before the forward pass): the same bits.
+        sync = engines.run({**ours(server.url, **{"lmcache.mp.sync_load": True}),
+                            "prompts": MAIN, "max_tokens": 8})
+        assert cached(sync) == [whole_chunks(p) for p in MAIN]
+        assert stats(sync)["retrieved"] == 2 and stats(sync)["load_errors"] == 0
+        same_output(sync["rounds"][0]["outputs"], reference["hit"]["main"], 0.0)
     print(f"tolerance {reference['tolerance']}, a cached prefix moves logprobs by up "
           f"to {reference['prefix_gap']:.2e} (vLLM's own cache too)")
 

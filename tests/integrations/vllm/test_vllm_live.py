@@ -334,6 +334,50 @@ def test_server_gone_between_lookup_and_load(tmp_path: Path) -> None:
 
 
 @edge_only
+def test_sync_load_is_in_the_blocks_before_the_forward_pass(server: LiveServer,
+                                                            tmp_path: Path) -> None:
+    """``lmcache.mp.sync_load``: vLLM's real scheduler schedules the warm request in
+    the step that loads it (``(n, False)``), beside a request that computes, and the
+    blocks hold the stored bytes when that step's forward pass runs (the harness checks
+    them at first scheduling: had ``start_load_kv`` not waited for the load, they would
+    still be empty). Stores go on: a third engine loads the one computed beside it."""
+    p, q = tokens(70, 3 * CHUNK + 5), tokens(71, 2 * CHUNK + 3)
+    run_engine(tmp_path, "ours", [server.url], [{"requests": [req("a", p)]}])
+    sync = {"lmcache.mp.sync_load": True}
+    r = run_engine(tmp_path, "ours", [server.url],
+                   [{"requests": [req("b", p), req("c", q)]}], extra=sync)
+    assert loaded(r, "b") == 3 * CHUNK and loaded(r, "c") == 0
+    assert r["stats"]["load_errors"] == 0 and r["stats"]["retrieved"] == 1
+    assert r["requests"]["b"]["failed_sync_loads"] == 0
+    again = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("d", q)]}],
+                       extra=sync)
+    assert loaded(again, "d") == 2 * CHUNK
+
+
+@edge_only
+def test_sync_load_that_fails_is_rewound_by_vllm(tmp_path: Path) -> None:
+    """The server is stopped between the lookup and the synchronous RETRIEVE: the load
+    fails within its deadline, its blocks go to vLLM with the step's output, vLLM rewinds
+    the request (recompute policy) and it completes with the right bytes; nothing hangs."""
+    s = start_server(*both_modes_args(f"vllms{os.getpid()}"))
+    try:
+        p = tokens(72, 2 * CHUNK + 9)
+        run_engine(tmp_path, "ours", [s.url], [{"requests": [req("a", p)]}])
+        stop = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
+        r = run_engine(tmp_path, "ours", [s.url], [
+            {"requests": [req("b", p)], "on_retrieve": stop}],
+            extra={"lmcache.mp.sync_load": True, "lmcache.mp.transfer_timeout": 5,
+                   "lmcache.mp.health_interval": 0.5})
+        assert r["stats"]["load_errors"] == 1 and r["stats"]["retrieved"] == 0
+        b = r["requests"]["b"]
+        assert b["failed_sync_loads"] == 1 and b["first_computed"] == 2 * CHUNK
+        assert b["verified"] and b["output_tokens"] > 0, b
+        assert "recomputed without the cache" in r["log"]
+    finally:
+        s.stop()
+
+
+@edge_only
 def test_server_down_from_the_start(tmp_path: Path) -> None:
     from tests.conftest import free_port
 
