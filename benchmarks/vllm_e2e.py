@@ -94,6 +94,8 @@ KV_BYTES_PER_TOKEN = 4 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x head siz
 MAX_TOKENS = 8
 CHUNKED_FROM = 16384  # prompts this long are prefilled 512 tokens a step (their engines)
 CHUNKED_STEP = 512
+#: Seconds between a cold request's end and its warm repeat (see engine_spec).
+WARM_AFTER_S = 1.0
 CONTENDERS = ("none", "ours", "lmcache")
 #: Every contender in table order ("before": ours from --before's checkout).
 ORDER = ("none", "before", "ours", "ours-sync", "lmcache")
@@ -168,6 +170,7 @@ def run_engine(contender: str, spec: dict[str, Any], release: str, workdir: Path
         rc, out, err = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
         rc, out, err = None, str(exc.stdout or ""), str(exc.stderr or "")
+    (hook_dir / "engine-stderr.txt").write_text(err)  # kept with the traces (HOOK_TRACE)
     lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
     result: dict[str, Any] = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False}
     result["hooks"] = read_hooks(hook_dir)
@@ -202,10 +205,14 @@ def engine_spec(contender: str, url: str, lengths: list[int], rounds: int,
             spec_rounds.append({"prompts": [p], "max_tokens": MAX_TOKENS,
                                 "tag": ["cold", r, length]})
             if contender != "none":
-                # Its STOREs are done before vLLM frees the blocks (finished sending),
-                # but a server may show them to LOOKUP a moment after: wait a little.
+                # The cold request's output is out before its STOREs are committed
+                # (vLLM only keeps its blocks until they are): wait for them. 0.3 s was
+                # too little: the LMCache server's own gen-2 garbage collections stall
+                # it for 0.3-0.7 s (measured with gc.callbacks in the server, 2026-12-07),
+                # and a PREPARE_STORE caught in one was committed after the warm
+                # request's lookup, a miss (round 3 of 5, three runs in four).
                 spec_rounds.append({"prompts": [p], "max_tokens": MAX_TOKENS,
-                                    "sleep_before": 0.3, "tag": ["warm", r, length]})
+                                    "sleep_before": WARM_AFTER_S, "tag": ["warm", r, length]})
     spec: dict[str, Any] = {
         "model": MODEL, "model_kind": "llama_long", "model_seed": 0, "block_size": 32,
         "max_model_len": max(lengths) + 64, "kv_cache_space_gib": 2,
