@@ -38,7 +38,7 @@ class TransferOp:
     unloaded_block_ids: tuple[int, ...] = ()
     #: RETRIEVE: vLLM computes the request in this step (``lmcache.mp.sync_load``):
     #: ``start_load_kv`` waits for it, and its end is reported with the step's output
-    #: (``SyncLoads``), never as "finished receiving" (vLLM only expects that of a
+    #: (``WorkerReport``), never as "finished receiving" (vLLM only expects that of a
     #: request waiting for its load).
     sync: bool = False
 
