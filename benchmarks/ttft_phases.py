@@ -95,7 +95,9 @@ def request_phases(entries: list[list[Any]], rid: str) -> dict[str, Any] | None:
             or _first(entries, "lmcache.retrieve", where=_has("requests", rid)))
     if answer is None or sent is None:
         return None
-    gives_tokens = lambda e: rid in ((e[5] or {}).get("tokens") or {})  # noqa: E731
+    def gives_tokens(e: list[Any]) -> bool:
+        return rid in ((e[5] or {}).get("tokens") or {})
+
     # A synchronous load (lmcache.mp.sync_load): the step whose schedule answered the
     # lookup gives the request its tokens, and its worker sends the RETRIEVE before
     # that step's forward pass: nothing to report, nothing to wait for.

@@ -345,7 +345,7 @@ class WorkerSide:
             for future, *_ in loads:
                 if future is not None:
                     future.wait(max(0.0, deadline - time.monotonic()))
-            if not self._settle_loads(rid, loads) or any(entry[4] for entry in loads):
+            if not self._settle_loads(rid, loads) or any(unloaded for *_, unloaded in loads):
                 self._no_stores.add(rid)
             self._sync_loaded.add(rid)
 

@@ -1,7 +1,9 @@
 """``lmcache.mp.sync_load``: a hit loaded in the step that computes the request (vLLM's
 synchronous load), offline with the fake servers of test_connector_units.py. vLLM's
-real scheduler runs it in test_vllm_live.py (``test_sync_load_*``) and a real engine in
-test_real_engine.py (``test_a_synchronous_load_matches_no_connector``)."""
+real scheduler runs it in test_vllm_live.py
+(``test_sync_load_is_in_the_blocks_before_the_forward_pass``,
+``test_server_gone_between_lookup_and_load[sync_load]``) and a real engine in
+test_real_engine.py (``test_cold_and_loaded_engines_match_no_connector``, 0.5.7rc2)."""
 
 from __future__ import annotations
 

@@ -314,20 +314,27 @@ def test_server_restart_mid_stream(tmp_path: Path) -> None:
 
 
 @edge_only
-def test_server_gone_between_lookup_and_load(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync_load"])
+def test_server_gone_between_lookup_and_load(tmp_path: Path, sync: bool) -> None:
+    """The lookup hits; the server is stopped before the workers' RETRIEVE: the load
+    fails within its deadline, its blocks go to get_block_ids_with_load_errors, vLLM
+    recomputes them (recompute policy) and the request completes with the right bytes;
+    nothing hangs. Asynchronous: the request is scheduled once the load failed, from
+    the start. ``lmcache.mp.sync_load``: it was scheduled with the hit computed, and
+    vLLM rewinds it within the step (its loaded blocks are not checked then)."""
     s = start_server(*both_modes_args(f"vllmg{os.getpid()}"))
     try:
         p = tokens(60, 2 * CHUNK + 9)
         run_engine(tmp_path, "ours", [s.url], [{"requests": [req("a", p)]}])
-        # The lookup hits; the server is stopped before the workers' RETRIEVE: the load
-        # fails, its blocks go to get_block_ids_with_load_errors, vLLM recomputes them
-        # (recompute policy) and the request completes with the right bytes.
         stop = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
         r = run_engine(tmp_path, "ours", [s.url], [
             {"requests": [req("b", p)], "on_retrieve": stop}],
-            extra={"lmcache.mp.transfer_timeout": 5, "lmcache.mp.health_interval": 0.5})
+            extra={"lmcache.mp.transfer_timeout": 5, "lmcache.mp.health_interval": 0.5,
+                   "lmcache.mp.sync_load": sync})
         assert r["stats"]["load_errors"] == 1 and r["stats"]["retrieved"] == 0
-        assert loaded(r, "b") == 0  # recomputed from the start, bytes verified
+        b = r["requests"]["b"]
+        assert loaded(r, "b") == (2 * CHUNK if sync else 0)  # bytes verified
+        assert b["failed_sync_loads"] == int(sync) and b["output_tokens"] > 0, b
         assert "recomputed without the cache" in r["log"]
     finally:
         s.stop()
@@ -352,29 +359,6 @@ def test_sync_load_is_in_the_blocks_before_the_forward_pass(server: LiveServer,
     again = run_engine(tmp_path, "ours", [server.url], [{"requests": [req("d", q)]}],
                        extra=sync)
     assert loaded(again, "d") == 2 * CHUNK
-
-
-@edge_only
-def test_sync_load_that_fails_is_rewound_by_vllm(tmp_path: Path) -> None:
-    """The server is stopped between the lookup and the synchronous RETRIEVE: the load
-    fails within its deadline, its blocks go to vLLM with the step's output, vLLM rewinds
-    the request (recompute policy) and it completes with the right bytes; nothing hangs."""
-    s = start_server(*both_modes_args(f"vllms{os.getpid()}"))
-    try:
-        p = tokens(72, 2 * CHUNK + 9)
-        run_engine(tmp_path, "ours", [s.url], [{"requests": [req("a", p)]}])
-        stop = [str(SERVER_SCRIPT), "stop", "--port", str(s.port)]
-        r = run_engine(tmp_path, "ours", [s.url], [
-            {"requests": [req("b", p)], "on_retrieve": stop}],
-            extra={"lmcache.mp.sync_load": True, "lmcache.mp.transfer_timeout": 5,
-                   "lmcache.mp.health_interval": 0.5})
-        assert r["stats"]["load_errors"] == 1 and r["stats"]["retrieved"] == 0
-        b = r["requests"]["b"]
-        assert b["failed_sync_loads"] == 1 and b["first_computed"] == 2 * CHUNK
-        assert b["verified"] and b["output_tokens"] > 0, b
-        assert "recomputed without the cache" in r["log"]
-    finally:
-        s.stop()
 
 
 @edge_only
