@@ -97,11 +97,14 @@ CHUNKED_STEP = 512
 #: Seconds between a cold request's end and its warm repeat (see engine_spec).
 WARM_AFTER_S = 1.0
 CONTENDERS = ("none", "ours", "lmcache")
-#: Every contender in table order ("before": ours from --before's checkout).
-ORDER = ("none", "before", "ours", "ours-sync", "lmcache")
-#: Contenders that are our connector: with the settings they add to its config.
-OURS_VARIANTS: dict[str, dict[str, Any]] = {"ours": {}, "before": {},
-                                             "ours-sync": {"lmcache.mp.sync_load": True}}
+#: Every contender in table order ("before", "before-sync": ours from --before's
+#: checkout).
+ORDER = ("none", "before", "ours", "before-sync", "ours-sync", "lmcache")
+#: Contenders that are our connector: with the settings they add to its config (also
+#: vllm_workloads.py's).
+OURS_VARIANTS: dict[str, dict[str, Any]] = {
+    "ours": {}, "before": {}, "ours-sync": {"lmcache.mp.sync_load": True},
+    "before-sync": {"lmcache.mp.sync_load": True}}
 #: A hook that does nothing in either connector: its CPU per call is hooktime's own.
 NOOP_HOOK = "worker.wait_for_layer_load"
 
@@ -109,7 +112,7 @@ NOOP_HOOK = "worker.wait_for_layer_load"
 # ------------------------------------------------------------------ processes
 def engine_env(hook_dir: Path | None = None, contender: str = "") -> dict[str, str]:
     env = tests_engine_env()
-    source = BEFORE if contender == "before" else SOURCE
+    source = BEFORE if contender.startswith("before") else SOURCE
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in dict.fromkeys([*source, REPO]))
     if hook_dir is not None:
         env["PYTHONPATH"] = f"{HOOKTIME}{os.pathsep}{env['PYTHONPATH']}"
@@ -521,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [1024] if args.smoke else [int(x) for x in args.lengths.split(",")]
     rounds = 1 if args.smoke else args.rounds
     contenders = [c for c in args.contenders.split(",") if c]
-    if args.before and "before" not in contenders:
+    if args.before and not any(c.startswith("before") for c in contenders):
         contenders.insert(contenders.index("ours") if "ours" in contenders else 1, "before")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

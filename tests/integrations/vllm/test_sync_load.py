@@ -7,6 +7,7 @@ test_real_engine.py (``test_cold_and_loaded_engines_match_no_connector``, 0.5.7r
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from lmcache_mp.integrations.vllm import worker as worker_module
 from lmcache_mp.integrations.vllm.config import ConnectorConfig
 from lmcache_mp.integrations.vllm.ops import StepOps
 
+from ...support.polling import wait_until
 from .test_connector_units import (
     BS,
     CHUNK,
@@ -116,3 +118,37 @@ def test_a_failed_sync_load_reports_its_blocks_and_the_request_stores_nothing_mo
     w.get_finished({"r"})  # vLLM finished it: the id may come back as a new request
     w.start_stores(step)
     assert [d for d, *_ in reg.sent] == ["RETRIEVE", "STORE", "STORE"]
+
+
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu_cache", "cuda_cache"])
+def test_a_cpu_cache_sends_its_loads_before_vllm_prepares_the_step(
+        cpu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.32 / 0.33's model runner calls ``handle_preemptions`` before it prepares
+    the step's inputs and ``start_load_kv`` after (the harness calls them so): a CPU
+    cache's RETRIEVEs of a step with a synchronous load go out at the first (their copy
+    overlaps the preparation), a CUDA cache's at the second (the current stream's order
+    there); never twice, and a synchronous load is waited for at ``start_load_kv``
+    either way. Asynchronous loads alone wait for ``start_load_kv`` (which vLLM calls
+    after the forward pass then)."""
+    monkeypatch.setattr(worker_module, "_is_cpu", lambda reg: cpu)
+    _s, _r, step = loaded_step()
+    reg = FakeReg()
+    w = worker(reg, FakeClient())  # a CPU cache's transfers run on the load thread
+    sent = lambda n: wait_until(lambda: len(reg.sent) >= n, 10.0)  # noqa: E731
+    try:
+        w.start_loads(step, early=True)
+        assert sent(1) if cpu else reg.sent == []  # (a CPU cache's: on the load thread)
+        assert w.sync_loads_ended() == set()  # not waited for before start_load_kv
+        w.start_loads(step)
+        assert [d for d, *_ in reg.sent] == ["RETRIEVE"]
+        assert w.sync_loads_ended() == {"r"} and w.stats["retrieved"] == 1
+        w.start_loads(step)  # called again in the step: nothing sent again
+        assert len(reg.sent) == 1
+        async_step = StepOps([replace(op, sync=False) for op in step.retrieves()],
+                             tokens=step.tokens)
+        w.start_loads(async_step, early=True)
+        assert len(reg.sent) == 1
+        w.start_loads(async_step)
+        assert sent(2) and len(reg.sent) == 2
+    finally:
+        w.shutdown()
