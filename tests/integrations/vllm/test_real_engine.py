@@ -128,6 +128,12 @@ oldest_extended = pytest.mark.skipif(SERVER_VERSION != OLDEST or not EXTENDED, r
     "vLLM's real scheduler, both connectors, the blocks' bytes checked (test_vllm_live.py's "
     "test_cross_with_lmcache_connector), and the newest release in real engines both ways "
     "(tests/multinode/test_two_engines.py's test_lmcaches_connector_on_b_and_ours_on_a)"))
+one_release_extended = pytest.mark.skipif(not ONE_RELEASE or not EXTENDED, reason=(
+    "the MLA model in real engines, loaded by LMCache's connector and ours: against 0.5.6 "
+    "with LMCACHE_MP_EXTENDED=1 only (~110 s, LMCache's engine a fresh interpreter "
+    "spawning its engine core). CI crosses MLA entries with LMCache's connector against "
+    "every release through vLLM's real scheduler, the blocks' bytes checked "
+    "(test_vllm_live.py's test_mla_cross_with_lmcache_connector, TP 1 and 2)"))
 newest_failures = pytest.mark.skipif(SERVER_VERSION != NEWEST, reason=(
     "a server down at the engine's start, then up, then restarted: against 0.5.7rc2 only "
     "(CI time); the harness runs a restart mid-stream and a server down from the start "
@@ -664,7 +670,7 @@ def test_tensor_parallel_two_ranks(engines: Engines, server: LiveServer) -> None
     assert vllm_temp_files(system_tmp) <= before
 
 
-@one_release
+@one_release_extended
 def test_mla_model_loads_as_lmcaches_connector_does(engines: Engines,
                                                     server: LiveServer) -> None:
     """A tiny DeepSeek-V3-shaped model (MLA: one latent plane of 576 per token, the
