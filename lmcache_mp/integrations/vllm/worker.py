@@ -166,7 +166,7 @@ class WorkerSide:
         self._no_stores: set[str] = set()
         #: Counters for tests and logs.
         self.stats = {"retrieved": 0, "stored": 0, "load_errors": 0, "store_errors": 0,
-                      "skipped_stores": 0}
+                      "skipped_stores": 0, "early_loads": 0}
         #: What vLLM's stats loggers get (``get_kv_connector_stats``), per interval.
         self.metrics = Counters()
         #: Engine-driven CPU transfers run on these (see the module's docstring).
@@ -342,6 +342,7 @@ class WorkerSide:
             if step.held:
                 self._held.update(step.held)
             if step.ops:  # most steps: nothing to load
+                self.stats["early_loads"] += int(early)
                 with self._one_event():
                     for op in step.retrieves():
                         self._start_load(op)

@@ -115,9 +115,8 @@ one_release = pytest.mark.skipif(not ONE_RELEASE, reason=(
     "several-process engines and the MLA model: run against 0.5.6 only (CI time; the "
     "harness tests run TP=2 and MLA against every release)"))
 edge_only = pytest.mark.skipif(not EDGE_RELEASE, reason=(
-    "release-independent (chunked prefill, failure handling, aborts, preemption; the "
-    "harness runs the cross tests against every release): run against 0.5.3 and "
-    "0.5.7rc2 (CI time)"))
+    "release-independent (aborts, preemption, the forked full hit), but both transfer "
+    "modes: run against 0.5.3 (LMCache-driven) and 0.5.7rc2 (CI time)"))
 #: ``LMCACHE_MP_EXTENDED=1 make test``: also the tests CI leaves out for its 20 minutes,
 #: whose checks cheaper tests make.
 EXTENDED = os.environ.get("LMCACHE_MP_EXTENDED") == "1"

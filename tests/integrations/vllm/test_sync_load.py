@@ -134,10 +134,14 @@ def test_a_cpu_cache_sends_its_loads_before_vllm_prepares_the_step(
     _s, _r, step = loaded_step()
     reg = FakeReg()
     w = worker(reg, FakeClient())  # a CPU cache's transfers run on the load thread
-    sent = lambda n: wait_until(lambda: len(reg.sent) >= n, 10.0)  # noqa: E731
+
+    def sent(n: int) -> bool:
+        return wait_until(lambda: len(reg.sent) >= n, 10.0)
+
     try:
         w.start_loads(step, early=True)
-        assert sent(1) if cpu else reg.sent == []  # (a CPU cache's: on the load thread)
+        assert sent(1) if cpu else reg.sent == []
+        assert w.stats["early_loads"] == int(cpu)
         assert w.sync_loads_ended() == set()  # not waited for before start_load_kv
         w.start_loads(step)
         assert [d for d, *_ in reg.sent] == ["RETRIEVE"]
