@@ -25,6 +25,8 @@ finds the other's entries):
 The table gives per workload and contender: steps, connector CPU per step (hooks +
 background), its share of the step's wall time, metadata bytes per step, and ours /
 LMCache's; then per hook calls and CPU. Written to ``DIR/vllm_workloads.{json,md}``.
+``--before DIR`` adds the contender ``before``: our connector imported from DIR (e.g.
+a ``git archive`` of an earlier commit), for a before / after in one run.
 """
 
 from __future__ import annotations
@@ -194,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="smaller workloads (CI)")
     ap.add_argument("--timeout", type=float, default=900.0, help="per engine (s)")
     ap.add_argument("--source", help="import lmcache_mp from this checkout (before / after)")
+    ap.add_argument("--before", metavar="DIR",
+                    help="the contender 'before' imports lmcache_mp from DIR (e.g. a `git "
+                         "archive` of an earlier commit): an A/B in one run")
     ap.add_argument("--py-spy", metavar="PATH",
                     help="run every engine under this py-spy: where each connector's CPU "
                          "goes (benchmarks/profile_stacks.py; slows the engines a little)")
@@ -202,8 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         e2e.PROFILER[:] = [args.py_spy]
     if args.source:
         e2e.SOURCE[:] = [Path(args.source).resolve()]
+    if args.before:
+        e2e.BEFORE[:] = [Path(args.before).resolve()]
     workloads = [w for w in args.workloads.split(",") if w]
     contenders = [c for c in args.contenders.split(",") if c]
+    if args.before and "before" not in contenders:
+        contenders.insert(contenders.index("ours") if "ours" in contenders else 1, "before")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     subprocess.run([str(VLLM_VENV / "bin" / "python"), str(e2e.TINY_MODEL), e2e.MODEL,
@@ -217,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     report: dict[str, Any] = {"release": args.release, "workloads": {}, "vllm": None,
                               "source": str(e2e.SOURCE[0]),
+                              "before": str(e2e.BEFORE[0]) if e2e.BEFORE else None,
                               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     try:
         with tempfile.TemporaryDirectory(prefix="vllm-wl-") as tmp:

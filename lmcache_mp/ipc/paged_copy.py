@@ -10,12 +10,19 @@ blocks is one contiguous run of the chunk. An HND layer ``[2, num_blocks, num_he
 block_size, head_dim]`` is the per-block transpose (runs of ``head_dim`` elements).
 Fused layers are the same without the leading K/V axis.
 
-One task per (chunk, layer), about a MiB each: the unit the workers share out.
-Consecutive block ids are copied as slices (no temporaries); a task with many runs
-uses one fancy-indexed copy: ``np.take(..., out=)`` or an indexed assignment, neither
-with a temporary, except gathers from a non-contiguous source (HND layers, wrapped
-strided views), whose index copy makes a temporary of the task's size (one MiB,
-not the key's).
+One task per (chunk, layer), about a MiB each: the unit the workers share out. Chunk
+objects lying one after another in the pool whose blocks are one run of ids (what a
+request's key usually gets) are copied as one: one task per layer for the whole run
+(:func:`gather_run_tasks`, :func:`scatter_run_tasks`), instead of a plan and a copy
+per chunk and layer (8k tokens of a small model: 128 copies, whose planning and calls
+took 40% of the copy's time, issue 38).
+
+Block ids going up or down by one are copied as slices (step 1 or -1, no temporaries:
+vLLM hands a request the blocks earlier requests freed in reverse order, so a warm
+request's ids usually fall by one); a task with many runs uses one fancy-indexed
+copy: ``np.take(..., out=)`` or an indexed assignment, neither with a temporary,
+except gathers from a non-contiguous source (HND layers, wrapped strided views), whose
+index copy makes a temporary of the task's size (one MiB, not the key's).
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ import numpy as np
 
 from .base import KVGeometry
 
-__all__ = ["block_runs", "gather_chunk", "scatter_chunk", "gather_tasks", "scatter_tasks",
-           "run_task"]
+__all__ = ["block_runs", "slice_runs", "block_slice", "gather_chunk", "scatter_chunk",
+           "gather_tasks", "scatter_tasks", "gather_run_tasks", "scatter_run_tasks", "run_task"]
 
 # Beyond this many runs, one fancy-indexed copy beats a Python loop of slice copies.
 _MAX_SLICE_RUNS = 8
@@ -48,6 +55,39 @@ def block_runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(s), int(ids[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
+def slice_runs(ids: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """Maximal runs of ids going up or down by one, left to right, as ``(position,
+    first_id, length, step)`` (``step``: 1 or -1; a lone id: 1). vLLM hands a request
+    the blocks its predecessors freed, in the reverse of their order (a freed request's
+    tail is evicted first): ids falling by one are as common as rising ones, and a
+    slice with step -1 copies them as one."""
+    n = len(ids)
+    if n == 0:
+        return []
+    steps = np.diff(ids)
+    if n == 1 or bool((steps == 1).all()):
+        return [(0, int(ids[0]), n, 1)]
+    if bool((steps == -1).all()):
+        return [(0, int(ids[0]), n, -1)]
+    runs: list[tuple[int, int, int, int]] = []
+    start, step = 0, 0
+    for i, d in enumerate(steps.tolist(), 1):  # d: ids[i] - ids[i - 1]
+        if d in (1, -1) and step in (0, d):  # the run goes on
+            step = d
+            continue
+        runs.append((start, int(ids[start]), i - start, step or 1))
+        start, step = i, 0
+    runs.append((start, int(ids[start]), n - start, step or 1))
+    return runs
+
+
+def block_slice(first: int, n: int, step: int) -> slice:
+    """The ``n`` block ids from ``first`` on, going by ``step`` (1 or -1), as a slice."""
+    if step == 1:
+        return slice(first, first + n)
+    return slice(first, first - n if first >= n else None, -1)
+
+
 def _chunk_view(obj: np.ndarray, layer: int, g: KVGeometry, nblocks: int) -> np.ndarray:
     """One layer of a chunk object, shaped like the blocks it holds (token-major)."""
     view: np.ndarray = obj[layer] if g.kv_planes == 1 else obj[:, layer]
@@ -58,6 +98,53 @@ def _chunk_view(obj: np.ndarray, layer: int, g: KVGeometry, nblocks: int) -> np.
         nblocks, g.block_size, g.num_heads, g.head_dim)
     view.shape = tokens if g.kv_planes == 1 else (2, *tokens)
     return view
+
+
+def _chunk_run_view(objs: np.ndarray, layer: int, g: KVGeometry) -> np.ndarray:
+    """One layer of ``m`` chunk objects lying one after another (``objs``: ``[m, *chunk
+    object shape]``), shaped like the blocks they hold: ``(m, blocks per chunk,
+    block_size, ...)`` after the K/V axis (a view)."""
+    view: np.ndarray = objs[:, layer] if g.kv_planes == 1 else objs[:, :, layer].swapaxes(0, 1)
+    view = view.view()
+    m, per_chunk = objs.shape[0], view.shape[-2] // g.block_size
+    tokens = (m, per_chunk, g.block_size, g.head_dim) if g.mla else (
+        m, per_chunk, g.block_size, g.num_heads, g.head_dim)
+    view.shape = tokens if g.kv_planes == 1 else (2, *tokens)  # raises rather than copies
+    return view
+
+
+def _paged_run_view(layer: np.ndarray, g: KVGeometry, first: int, m: int,
+                    per_chunk: int, step: int) -> np.ndarray:
+    """The ``m * per_chunk`` blocks from ``first`` on, going by ``step`` (1 or -1), of a
+    paged layer, tokens before heads, shaped ``(m, per_chunk, block_size, ...)`` after
+    the K/V axis (a view)."""
+    src = _paged_view(layer, g)
+    blocks = block_slice(first, m * per_chunk, step)
+    view = (src[blocks] if g.kv_planes == 1 else src[:, blocks]).view()
+    rest = view.shape[2:] if g.kv_planes == 2 else view.shape[1:]
+    view.shape = (m, per_chunk, *rest) if g.kv_planes == 1 else (2, m, per_chunk, *rest)
+    return view
+
+
+def gather_run_tasks(layers: Sequence[np.ndarray], first: int, out: np.ndarray,
+                     g: KVGeometry, step: int = 1) -> list[Task]:
+    """The copies of the blocks from ``first`` on, going by ``step`` (1 or -1), of
+    every layer into the chunk objects ``out`` (``[m, *chunk object shape]``, one after
+    another): one per layer."""
+    m, per_chunk = out.shape[0], out.shape[-2] // g.block_size
+    return [(_SLICE, _chunk_run_view(out, li, g),
+             _paged_run_view(layer, g, first, m, per_chunk, step), None)
+            for li, layer in enumerate(layers)]
+
+
+def scatter_run_tasks(objs: np.ndarray, layers: Sequence[np.ndarray], first: int,
+                      g: KVGeometry, step: int = 1) -> list[Task]:
+    """The copies of the chunk objects ``objs`` (``[m, *chunk object shape]``, one after
+    another) into the blocks from ``first`` on, going by ``step`` (1 or -1), of every
+    layer: one per layer."""
+    m, per_chunk = objs.shape[0], objs.shape[-2] // g.block_size
+    return [(_SLICE, _paged_run_view(layer, g, first, m, per_chunk, step),
+             _chunk_run_view(objs, li, g), None) for li, layer in enumerate(layers)]
 
 
 def _paged_view(layer: np.ndarray, g: KVGeometry) -> np.ndarray:
@@ -75,18 +162,18 @@ def _planes(arr: np.ndarray, g: KVGeometry) -> list[np.ndarray]:
 def gather_tasks(layers: Sequence[np.ndarray], ids: np.ndarray, out: np.ndarray,
                  g: KVGeometry) -> list[Task]:
     """The copies of blocks ``ids`` of every layer into the chunk object ``out``."""
-    runs = block_runs(ids)
+    runs = slice_runs(ids)
     tasks: list[Task] = []
     for li, layer in enumerate(layers):
         dst = _chunk_view(out, li, g, len(ids))
         src = _paged_view(layer, g)
         if len(runs) <= _MAX_SLICE_RUNS:
-            for pos, first, n in runs:
+            for pos, first, n, step in runs:
+                blocks = block_slice(first, n, step)
                 if g.kv_planes == 1:
-                    tasks.append((_SLICE, dst[pos : pos + n], src[first : first + n], None))
+                    tasks.append((_SLICE, dst[pos : pos + n], src[blocks], None))
                 else:
-                    tasks.append((_SLICE, dst[:, pos : pos + n], src[:, first : first + n],
-                                  None))
+                    tasks.append((_SLICE, dst[:, pos : pos + n], src[:, blocks], None))
         else:
             for d, s in zip(_planes(dst, g), _planes(src, g), strict=True):
                 # np.take writes straight into a contiguous out from a contiguous
@@ -104,19 +191,19 @@ def scatter_tasks(obj: np.ndarray, layers: Sequence[np.ndarray], ids: np.ndarray
     if skip_blocks >= len(ids):
         return []
     targets = ids[skip_blocks:]
-    runs = block_runs(targets)
+    runs = slice_runs(targets)
     tasks: list[Task] = []
     for li, layer in enumerate(layers):
         src = _chunk_view(obj, li, g, len(ids))
         dst = _paged_view(layer, g)
         src = src[skip_blocks:] if g.kv_planes == 1 else src[:, skip_blocks:]
         if len(runs) <= _MAX_SLICE_RUNS:
-            for pos, first, n in runs:
+            for pos, first, n, step in runs:
+                blocks = block_slice(first, n, step)
                 if g.kv_planes == 1:
-                    tasks.append((_SLICE, dst[first : first + n], src[pos : pos + n], None))
+                    tasks.append((_SLICE, dst[blocks], src[pos : pos + n], None))
                 else:
-                    tasks.append((_SLICE, dst[:, first : first + n], src[:, pos : pos + n],
-                                  None))
+                    tasks.append((_SLICE, dst[:, blocks], src[:, pos : pos + n], None))
         else:
             # An indexed assignment writes in place through any strides.
             tasks.extend((_SCATTER_FANCY, d, s, targets)

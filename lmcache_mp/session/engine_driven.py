@@ -182,11 +182,15 @@ def bound_to(cache: ExportableKVCache, pool: Pool) -> Pool:
     """``pool``, just mapped for a registration of ``cache``: a GPU cache starts
     page-locking it now, on a thread of its own (``cudaHostRegister`` of a GiB-sized
     L1 takes 0.1-0.3 s per GiB), not in its first copy on the caller's thread, which
-    may be vLLM's forward thread."""
+    may be vLLM's forward thread. A CPU cache's copy modules are imported now too,
+    not by its first copy, which is on a request's path (0.3 ms here, a few ms where
+    their bytecode is not cached)."""
     if not isinstance(cache, CpuKVCache):
         from ..ipc.cuda.staging import start_pinning
 
         start_pinning(cache, pool)
+    else:
+        from ..ipc import copy_workers, paged_copy  # noqa: F401
     return pool
 
 
@@ -245,12 +249,18 @@ def copy_into_slots(
         # The copies page-lock the pool (until it is unmapped: a before_unmap hook).
         device_copy_into_slots(cache, ids, targets, chunk_indices, pool, chunk_size, stream)
         return
-    from ..ipc.paged_copy import gather_tasks
+    from ..ipc.paged_copy import gather_run_tasks, gather_tasks
 
     pool.prepare(slots)
     tasks: list[Task] = []
-    for target, ci in zip(targets, chunk_indices, strict=True):
-        tasks += gather_tasks(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk], target, g)
+    for k, m, step in _runs(slots, chunk_indices, ids, per_chunk):
+        ci = chunk_indices[k]
+        if m == 1:
+            tasks += gather_tasks(cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk],
+                                  targets[k], g)
+        else:
+            tasks += gather_run_tasks(cache.layers, int(ids[ci * per_chunk]),
+                                      _run_view(pool, slots[k], m, targets[k]), g, step)
     _run(tasks, workers)
 
 
@@ -279,14 +289,64 @@ def copy_from_slots(
 
         device_copy_from_slots(cache, ids, sources, pool, chunk_size, skip_blocks, stream)
         return
-    from ..ipc.paged_copy import scatter_tasks
+    from ..ipc.paged_copy import scatter_run_tasks, scatter_tasks
 
     pool.prepare(slots)
     tasks: list[Task] = []
-    for ci, source in enumerate(sources):
-        tasks += scatter_tasks(source, cache.layers, ids[ci * per_chunk : (ci + 1) * per_chunk],
-                               g, skip_blocks=max(0, skip_blocks - ci * per_chunk))
+    # Chunks wholly skipped are left alone; one partly skipped is copied on its own.
+    first, partly = divmod(skip_blocks, per_chunk)
+    if partly and first < len(sources):
+        tasks += scatter_tasks(sources[first], cache.layers,
+                               ids[first * per_chunk : (first + 1) * per_chunk], g,
+                               skip_blocks=partly)
+        first += 1
+    for k, m, step in _runs(slots[first:], range(first, len(slots)), ids, per_chunk):
+        ci = first + k
+        if m == 1:
+            tasks += scatter_tasks(sources[ci], cache.layers,
+                                   ids[ci * per_chunk : (ci + 1) * per_chunk], g)
+        else:
+            tasks += scatter_run_tasks(_run_view(pool, slots[ci], m, sources[ci]),
+                                       cache.layers, int(ids[ci * per_chunk]), g, step)
     _run(tasks, workers)
+
+
+def _runs(slots: Sequence[PoolSlot], chunks: Sequence[int], ids: np.ndarray,
+          per_chunk: int) -> list[tuple[int, int, int]]:
+    """``slots`` (of chunks ``chunks`` of the key) as ``(position, count, step)`` groups
+    to copy as one: slots lying one after another in the pool, for consecutive chunks
+    whose blocks are one run of ids going by ``step`` (1 or -1; a group of one: copied
+    on its own, whatever its blocks)."""
+    import numpy as np
+
+    # Which run of ids rising (falling) by one each block position belongs to.
+    steps = np.diff(ids)
+    up = np.cumsum(np.concatenate(([0], steps != 1)))
+    down = np.cumsum(np.concatenate(([0], steps != -1)))
+    groups: list[tuple[int, int, int]] = []
+    k, n = 0, len(slots)
+    while k < n:
+        start, m, step = chunks[k] * per_chunk, 1, 1
+        while k + m < n and chunks[k + m] == chunks[k] + m and (
+                slots[k + m].offset == slots[k].offset + m * slots[k].length):
+            last = start + (m + 1) * per_chunk - 1  # of the next chunk's blocks
+            if up[last] == up[start]:
+                step = 1
+            elif down[last] == down[start]:
+                step = -1
+            else:
+                break
+            m += 1
+        groups.append((k, m, step))
+        k += m
+    return groups
+
+
+def _run_view(pool: Pool, slot: PoolSlot, m: int, first: np.ndarray) -> np.ndarray:
+    """The ``m`` chunk objects from ``slot`` on (each checked by :func:`slot_view`;
+    ``first``: the first one's view), as one array ``[m, *chunk object shape]``."""
+    view: np.ndarray = pool.view[slot.offset : slot.offset + m * slot.length].view(first.dtype)
+    return view.reshape((m, *first.shape))
 
 
 def _run(tasks: list[Task], workers: CopyWorkers | None) -> None:

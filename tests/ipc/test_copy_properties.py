@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_mp.ipc.base import STORAGE_DTYPES, KVGeometry
-from lmcache_mp.ipc.paged_copy import block_runs, gather_chunk, scatter_chunk
+from lmcache_mp.ipc.paged_copy import block_runs, block_slice, gather_chunk, scatter_chunk, slice_runs
 
 from ..support.kv_reference import chunk_shape, reference_gather, reference_scatter
 
@@ -63,12 +63,16 @@ def fancy_ids(draw: st.DrawFn, num_blocks: int) -> list[int]:
 
 @st.composite
 def block_ids(draw: st.DrawFn, num_blocks: int, distinct: bool) -> list[int]:
-    kind = draw(st.sampled_from(["contiguous", "short", "scattered", "many runs",
+    kind = draw(st.sampled_from(["contiguous", "falling", "short", "scattered", "many runs",
                                  "one block"] + ([] if distinct else ["repeated runs"])))
     if kind == "contiguous":
         n = draw(st.integers(2, 16))
         first = draw(st.integers(0, num_blocks - n))
         return list(range(first, first + n))
+    if kind == "falling":  # vLLM's order for blocks that earlier requests freed
+        n = draw(st.integers(2, 16))
+        first = draw(st.integers(n - 1, num_blocks - 1))
+        return list(range(first, first - n, -1))
     if kind == "one block":
         return [draw(st.integers(0, num_blocks - 1))]
     if kind == "short":
@@ -153,6 +157,24 @@ def test_block_runs_cover_the_list_with_maximal_runs(ids: list[int]) -> None:
                                            for k in range(len(runs))]
     for (_, a, n), (_, b, _) in zip(runs, runs[1:], strict=False):
         assert b != a + n  # maximal: the next run does not continue this one
+
+
+@PROPERTY
+@given(ids=st.lists(st.integers(0, 12), max_size=30))
+def test_slice_runs_cover_the_list_with_greedy_maximal_runs_up_or_down(ids: list[int]) -> None:
+    runs = slice_runs(np.asarray(ids, dtype=np.int64))
+    rebuilt = [first + step * i for _, first, n, step in runs for i in range(n)]
+    assert rebuilt == ids
+    assert all(step in (1, -1) for *_, step in runs)
+    assert [pos for pos, *_ in runs] == [sum(r[2] for r in runs[:k]) for k in range(len(runs))]
+    for (_, a, n, step), (_, b, _, _) in zip(runs, runs[1:], strict=False):
+        last = a + step * (n - 1)
+        # Greedy and maximal: the next id does not continue this run (nor start one with
+        # a lone id before it).
+        assert b != last + step and (n > 1 or b not in (last - 1, last + 1))
+    for _, first, n, step in runs:  # a slice over exactly the run's ids
+        assert list(range(40))[block_slice(first, n, step)] == [first + step * i
+                                                                for i in range(n)]
 
 
 # ------------------------------------------------------------------ dtype table

@@ -216,6 +216,8 @@ class WorkerSide:
                 max_workers=1, thread_name_prefix="lmcache-mp-vllm-loads")
             self._store_thread = ThreadPoolExecutor(
                 max_workers=1, thread_name_prefix="lmcache-mp-vllm-stores")
+            for thread in (self._load_thread, self._store_thread):
+                thread.submit(_nothing)  # its thread starts now, not in a transfer's hook
         log.info("lmcache_mp connector: rank %d registered with %s (%s mode, instance %d)",
                  self.place.kv_worker_id, self.place.url, reg.mode, reg.instance_id)
         self._instance_id = reg.instance_id
@@ -587,6 +589,10 @@ class WorkerSide:
                 log.warning("lmcache_mp connector: unregister: %s", err)
             self.reg = None
         self.client.close()
+
+
+def _nothing() -> None:
+    """A task that starts an executor's thread."""
 
 
 def _is_cpu(reg: Any) -> bool:
