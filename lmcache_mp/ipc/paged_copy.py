@@ -57,10 +57,10 @@ def block_runs(ids: np.ndarray) -> list[tuple[int, int, int]]:
 
 def slice_runs(ids: np.ndarray) -> list[tuple[int, int, int, int]]:
     """Maximal runs of ids going up or down by one, left to right, as ``(position,
-    first_id, length, step)`` (``step``: 1 or -1; a lone id: 1). vLLM hands a request
-    the blocks its predecessors freed, in the reverse of their order (a freed request's
-    tail is evicted first): ids falling by one are as common as rising ones, and a
-    slice with step -1 copies them as one."""
+    first_id, length, step)`` (``step``: 1 or -1; a lone id: 1). vLLM frees a request's
+    blocks tail first (``single_type_kv_cache_manager.free``) and hands them to the next
+    request in that order: ids falling by one are as common as rising ones (a warm 8k
+    request's were 257 down to 2), and a slice with step -1 copies them as one."""
     n = len(ids)
     if n == 0:
         return []
