@@ -2,9 +2,9 @@
 
 numpy releases the GIL inside large array copies, so a plan of independent copies
 (one per chunk and layer, or per layer of a run of chunks) runs on every core given to
-it; one core of memcpy does not saturate a machine's memory bandwidth. The threads are started on
-the first copy and belong to one client (stopped by its ``close()``): no thread per
-call, and none left behind. Tasks are taken one at a time from a shared counter, so a
+it; one core of memcpy does not saturate a machine's memory bandwidth. The threads are
+started on the first copy and belong to one client (stopped by its ``close()``): no
+thread per call, and none left behind. Tasks are taken one at a time from a shared counter, so a
 core that other work slows down simply takes fewer of them.
 """
 

@@ -101,9 +101,10 @@ def no_segment_leak() -> Iterator[None]:
     assert our_segments() == before, "SHM segments left behind"
 
 
+@pytest.mark.parametrize("order", ["scattered", "falling sources", "falling targets"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("g", GEOMETRIES, ids=str)
-def test_round_trip_is_byte_exact(client: Client, g: Geometry, mode: str,
+def test_round_trip_is_byte_exact(client: Client, g: Geometry, mode: str, order: str,
                                   no_segment_leak: None) -> None:
     tokens_n = 2 * CHUNK
     reg = registered(client, g, mode, tokens_n)
@@ -113,10 +114,19 @@ def test_round_trip_is_byte_exact(client: Client, g: Geometry, mode: str,
         fill_random(kv, seed=hash(str(g)) & 0xFFFF)
         n = tokens_n // g.block_size
         # Block 0 is vLLM's null block: 0.5.4+ servers skip a chunk whose ids are all 0.
-        src_ids = list(range(1, n + 1))
-        # Scattered targets: exercise the fancy-index path, not just contiguous runs.
-        dst_ids = [int(b) for b in
-                   np.random.default_rng(1).permutation(np.arange(n + 1, 3 * n + 1))[:n]]
+        if order == "scattered":
+            src_ids = list(range(1, n + 1))
+            # Scattered targets: exercise the fancy-index path, not just contiguous runs.
+            dst_ids = [int(b) for b in
+                       np.random.default_rng(1).permutation(np.arange(n + 1, 3 * n + 1))[:n]]
+        else:
+            # Falling by one (vLLM hands out freed blocks tail first) on one side only,
+            # rising on the other: a copy that misorders a falling run cannot undo its
+            # own mistake on the way back. The engine-driven copies take the key's two
+            # chunks as one run each way.
+            rising, falling = list(range(1, n + 1)), list(range(3 * n, 2 * n, -1))
+            src_ids, dst_ids = ((falling, rising) if order == "falling sources"
+                                else (rising, falling))
         tokens = np.random.default_rng(2).integers(0, 2**32, tokens_n).tolist()
         with reg.request(tokens) as writer:
             assert writer.store(src_ids) is True
